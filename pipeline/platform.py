@@ -1,0 +1,96 @@
+"""What this machine runs MLX on: backend, BLAS, and a measured float32 GEMM speed.
+
+On Linux CPU the ``mlx-cpu`` wheel links a reference BLAS that is ~40x slower
+than OpenBLAS for float32 GEMM. ``ensure_fast_blas`` re-executes the current
+command with OpenBLAS preloaded when the system has it (Debian:
+``libopenblas0-pthread``); ``VELOX_BLAS=reference`` turns that off and
+``VELOX_BLAS=/path/to/libblas.so.3`` picks a library.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import time
+from pathlib import Path
+
+OPENBLAS_PATTERNS = (
+    "/usr/lib/*/openblas-pthread/libblas.so.3",
+    "/usr/lib/*/openblas-openmp/libblas.so.3",
+    "/usr/lib/*/openblas-serial/libblas.so.3",
+    "/usr/lib64/openblas*/libblas.so.3",
+)
+REEXEC_FLAG = "VELOX_BLAS_REEXEC"
+
+
+def backend_name() -> str:
+    """``metal``, ``cuda`` or ``cpu``: where MLX runs by default here."""
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    return "cuda"
+
+
+def find_openblas() -> Path | None:
+    """The OpenBLAS ``libblas.so.3`` to preload, or None (also when disabled by ``VELOX_BLAS``)."""
+    choice = os.environ.get("VELOX_BLAS", "")
+    if choice == "reference" or not sys.platform.startswith("linux"):
+        return None
+    if choice:
+        return Path(choice) if Path(choice).is_file() else None
+    for pattern in OPENBLAS_PATTERNS:
+        found = sorted(glob.glob(pattern))
+        if found:
+            return Path(found[0])
+    return None
+
+
+def loaded_blas() -> str:
+    """A description of the BLAS this process uses."""
+    if sys.platform == "darwin":
+        return "Accelerate (macOS)"
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        maps = ""
+    for line in maps.splitlines():
+        if "openblas" in line.lower():
+            return f"OpenBLAS ({line.split()[-1]})"
+    return "reference BLAS bundled with mlx (slow)"
+
+
+def ensure_fast_blas() -> None:
+    """Re-execute this command with OpenBLAS preloaded when it is available and not yet loaded.
+
+    Does nothing off Linux, when already preloaded, when disabled with
+    ``VELOX_BLAS=reference``, or when no OpenBLAS is installed.
+    """
+    library = find_openblas()
+    if library is None or os.environ.get(REEXEC_FLAG):
+        return
+    if str(library) in os.environ.get("LD_PRELOAD", ""):
+        return
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = ":".join(filter(None, [str(library), env.get("LD_PRELOAD")]))
+    env[REEXEC_FLAG] = "1"
+    argv = list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
+    os.execve(sys.executable, [sys.executable, *argv[1:]], env)
+
+
+def gemm_gflops(size: int = 1024, repeats: int = 5) -> float:
+    """Measured float32 GEMM speed of MLX's default device, in GFLOP/s."""
+    import mlx.core as mx
+
+    a = mx.random.normal((size, size), dtype=mx.float32)
+    b = mx.random.normal((size, size), dtype=mx.float32)
+    mx.eval(a @ b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(a @ b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
