@@ -1,0 +1,61 @@
+"""Byte and token accounting shared by every Velox cache, measured from the arrays held."""
+
+from __future__ import annotations
+
+
+class CacheAccounting:
+    """Mixin: accounting properties and ``stats()`` for a cache that holds ``keys``/``values``.
+
+    Subclasses provide ``method``, ``offset``, ``tokens_kept``, ``layer_budget``,
+    ``concentration`` and ``layer_id``.
+    """
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the key and value arrays this cache actually holds (``nbytes``)."""
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+    @property
+    def full_seq_bytes(self) -> int:
+        """Bytes that keys and values of every token seen would take at the held dtype."""
+        if self.keys is None:
+            return 0
+        batch, heads, _, key_dim = self.keys.shape
+        value_dim = self.values.shape[-1]
+        per_token = key_dim * self.keys.itemsize + value_dim * self.values.itemsize
+        return self.offset * batch * heads * per_token
+
+    @property
+    def compression_ratio(self) -> float:
+        """``full_seq_bytes / kept_bytes``; above 1 means memory saved."""
+        kept = self.kept_bytes
+        return self.full_seq_bytes / kept if kept else 1.0
+
+    @property
+    def tokens_seen(self) -> int:
+        """Token positions ever passed to ``update_and_fetch``, summed over batch and heads."""
+        if self.keys is None:
+            return 0
+        return self.offset * self.keys.shape[0] * self.keys.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """mlx-lm's cache size protocol: the bytes held."""
+        return self.kept_bytes
+
+    def stats(self) -> dict:
+        """One row of per-layer accounting (what the job runner stores)."""
+        return {
+            "layer": self.layer_id,
+            "method": self.method,
+            "layer_budget": self.layer_budget,
+            "offset": self.offset,
+            "tokens_seen": self.tokens_seen,
+            "tokens_kept": self.tokens_kept,
+            "kept_bytes": self.kept_bytes,
+            "full_seq_bytes": self.full_seq_bytes,
+            "compression_ratio": self.compression_ratio,
+            "concentration": self.concentration,
+        }

@@ -1,0 +1,91 @@
+"""Attention arithmetic shared by the caches: probabilities, mass, pooling, concentration.
+
+Shapes: ``B`` batch, ``H`` KV heads, ``R`` query heads per KV head (GQA group),
+``S`` queries, ``N`` keys, ``D`` head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import mlx.core as mx
+
+Mask = Union[None, str, mx.array]
+
+
+def causal_mask(n_queries: int, n_keys: int) -> mx.array:
+    """Lower-right aligned boolean mask ``[S, N]``: query i sees keys ``j <= N - S + i``."""
+    query_index = mx.arange(n_keys - n_queries, n_keys)[:, None]
+    return query_index >= mx.arange(n_keys)[None]
+
+
+def attention_probs(queries: mx.array, keys: mx.array, scale: float, mask: Mask) -> mx.array:
+    """Softmax attention probabilities ``[B, H, R, S, N]`` (float32) for GQA inputs.
+
+    ``queries`` is ``[B, H*R, S, D]`` and ``keys`` ``[B, H, N, D]``; ``mask`` is
+    None, ``"causal"`` or an array broadcastable to ``[B, H*R, S, N]`` (boolean
+    or additive), as mlx-lm passes it to attention.
+    """
+    batch, n_q_heads, n_queries, dim = queries.shape
+    n_kv_heads, n_keys = keys.shape[1], keys.shape[2]
+    group = n_q_heads // n_kv_heads
+    q = (queries * scale).reshape(batch, n_kv_heads, group, n_queries, dim)
+    logits = (q @ mx.expand_dims(keys, 2).swapaxes(-1, -2)).astype(mx.float32)  # [B, H, R, S, N]
+    if isinstance(mask, str):
+        logits = mx.where(causal_mask(n_queries, n_keys), logits, -mx.inf)
+    elif mask is not None:
+        if mask.ndim == 4:  # [B or 1, H*R or 1, S, N] -> [B or 1, H or 1, R or 1, S, N]
+            heads = mask.shape[1]
+            mask = mask.reshape(mask.shape[0], max(1, heads // group), min(group, heads), *mask.shape[2:])
+        if mask.dtype == mx.bool_:
+            logits = mx.where(mask, logits, -mx.inf)
+        else:
+            logits = logits + mask.astype(mx.float32)
+    return mx.softmax(logits, axis=-1, precise=True)
+
+
+def attend(probs: mx.array, values: mx.array, out_dtype) -> mx.array:
+    """Attention output ``[B, H*R, S, D]`` from probabilities ``[B, H, R, S, N]``."""
+    batch, n_kv_heads, group, n_queries, _ = probs.shape
+    out = probs.astype(values.dtype) @ mx.expand_dims(values, 2)  # [B, H, R, S, D]
+    return out.reshape(batch, n_kv_heads * group, n_queries, -1).astype(out_dtype)
+
+
+def key_mass(probs: mx.array) -> mx.array:
+    """Attention mass each key received ``[B, H, N]``, summed over queries and the GQA group."""
+    return probs.sum(axis=(2, 3))
+
+
+def max_pool(scores: mx.array, kernel: int) -> mx.array:
+    """Max over a centred window of ``kernel`` positions along the last axis (same length)."""
+    if kernel <= 1:
+        return scores
+    half = kernel // 2
+    length = scores.shape[-1]
+    pad = [(0, 0)] * (scores.ndim - 1) + [(half, half)]
+    padded = mx.pad(scores, pad, constant_values=-mx.inf)
+    pooled = padded[..., 0:length]
+    for shift in range(1, kernel):
+        pooled = mx.maximum(pooled, padded[..., shift : shift + length])
+    return pooled
+
+
+def normalized_entropy(probs: mx.array) -> mx.array:
+    """Sum over rows of each row's entropy divided by ``log(N)``: 0 = one key, 1 = uniform."""
+    n_keys = probs.shape[-1]
+    if n_keys < 2:
+        return mx.array(0.0)
+    entropy = -(probs * mx.log(mx.maximum(probs, 1e-30))).sum(axis=-1)
+    return entropy.sum() / math.log(n_keys)
+
+
+def key_proxy_probs(new_keys: mx.array, all_keys: mx.array, rows: Optional[int] = None) -> mx.array:
+    """Attention of each new key (standing in for its query) over all keys, ``[B, H, 1, S', N]``.
+
+    ``rows`` keeps only the last ``rows`` new keys as queries.
+    """
+    if rows is not None:
+        new_keys = new_keys[:, :, -rows:]
+    scale = new_keys.shape[-1] ** -0.5
+    return attention_probs(new_keys, all_keys, scale, "causal" if new_keys.shape[2] > 1 else None)

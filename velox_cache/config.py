@@ -1,0 +1,163 @@
+"""``KVCacheConfig``: one validated dataclass for every cache policy."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+METHODS = ("full", "h2o", "tova", "snapkv", "streaming", "pyramidkv", "squeeze")
+SCORINGS = ("observed", "key_proxy")
+EVICTIONS = ("continuous", "prefill_end")
+KV_DTYPES = ("float16", "bfloat16", "float32")
+
+# Field names of the original library, kept so that code written for it runs unchanged.
+ALIASES = {
+    "pyramid_budget": "budget",
+    "pyramid_n_sink": "n_sink",
+    "pyramid_resolved_budget": "resolved_budget",
+    "pyramid_beta": "beta",
+    "squeeze_budget": "budget",
+    "squeeze_n_sink": "n_sink",
+    "squeeze_resolved_budget": "resolved_budget",
+    "squeeze_strength": "strength",
+    "h2o_budget": "budget",
+    "h2o_n_sink": "n_sink",
+    "tova_budget": "budget",
+    "snapkv_budget": "budget",
+    "snapkv_window": "window",
+    "snapkv_kernel": "kernel",
+    "streaming_budget": "budget",
+    "streaming_n_sink": "n_sink",
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name}: must be at least {minimum}, got {value}")
+
+
+def _check_number(name: str, value: Any, low: float, high: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise ConfigError(f"{name}: must be {bound}, got {value}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if value not in choices:
+        raise ConfigError(f"{name}: {value!r} is not one of {', '.join(choices)}")
+
+
+@dataclass
+class KVCacheConfig:
+    """How one model's KV caches evict tokens.
+
+    Attributes:
+        method: ``full``, ``h2o``, ``tova``, ``snapkv``, ``streaming``, ``pyramidkv``
+            or ``squeeze``.
+        budget: average number of tokens each layer keeps (per head).
+        n_sink: leading positions that are never evicted.
+        beta: pyramid steepness, first-layer budget / last-layer budget (1 = flat).
+        strength: squeeze reallocation strength in [0, 1] (0 = uniform budgets).
+        resolved_budget: this layer's budget when set (``for_model`` fills it in
+            for pyramidkv; an explicit override otherwise).
+        kv_dtype: dtype of the stored keys/values (default: the model's).
+        scoring: ``observed`` (real attention, needs ``velox_cache.observe``) or
+            ``key_proxy`` (each key stands in for its query). ``None`` picks
+            observed while the model is observed, key proxy otherwise.
+        eviction: ``continuous`` (after every chunk and step) or ``prefill_end``
+            (once, when decoding starts). ``None`` takes the policy's default.
+        recent: most recent tokens protected from eviction (``None``: budget // 8).
+        window: SnapKV observation window (the prompt's last queries).
+        kernel: SnapKV pooling kernel over neighbouring positions (odd).
+    """
+
+    method: str = "pyramidkv"
+    budget: int = 512
+    n_sink: int = 4
+    beta: float = 3.0
+    strength: float = 0.5
+    resolved_budget: Optional[int] = None
+    kv_dtype: Optional[str] = None
+    scoring: Optional[str] = None
+    eviction: Optional[str] = None
+    recent: Optional[int] = None
+    window: int = 32
+    kernel: int = 31
+
+    def __post_init__(self):
+        _check_choice("method", self.method, METHODS)
+        _check_int("n_sink", self.n_sink, 0)
+        _check_int("budget", self.budget, self.n_sink + 1)
+        _check_int("resolved_budget", self.resolved_budget, self.n_sink + 1, optional=True)
+        _check_number("beta", self.beta, 1.0)
+        _check_number("strength", self.strength, 0.0, 1.0)
+        _check_choice("kv_dtype", self.kv_dtype, KV_DTYPES, optional=True)
+        _check_choice("scoring", self.scoring, SCORINGS, optional=True)
+        _check_choice("eviction", self.eviction, EVICTIONS, optional=True)
+        _check_int("recent", self.recent, 0, optional=True)
+        _check_int("window", self.window, 1)
+        _check_int("kernel", self.kernel, 1)
+        if self.kernel % 2 == 0:
+            raise ConfigError(f"kernel: must be odd, got {self.kernel}")
+
+    @property
+    def recent_window(self) -> int:
+        """Most recent tokens protected from eviction."""
+        return self.budget // 8 if self.recent is None else self.recent
+
+    @classmethod
+    def from_dict(cls, values: dict, *, where: str = "cache") -> "KVCacheConfig":
+        """Build from a mapping, strictly: unknown keys are errors with a "did you mean"."""
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(values).__name__}")
+        known = [f.name for f in fields(cls)] + list(ALIASES)
+        for key in values:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise ConfigError(f"{where}.{key}: unknown field{hint}")
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}.{exc}") from None
+
+
+def _init_with_aliases(original_init):
+    def __init__(self, *args, **kwargs):
+        for alias, name in ALIASES.items():
+            if alias in kwargs:
+                if name in kwargs and kwargs[name] != kwargs[alias]:
+                    raise ConfigError(f"{alias}: conflicts with {name} (both given)")
+                kwargs[name] = kwargs.pop(alias)
+        original_init(self, *args, **kwargs)
+
+    __init__.__doc__ = original_init.__doc__
+    return __init__
+
+
+def _alias_property(name: str) -> property:
+    def get(self):
+        return getattr(self, name)
+
+    def set(self, value):
+        setattr(self, name, value)
+
+    return property(get, set, doc=f"Alias of ``{name}`` (the original library's name).")
+
+
+KVCacheConfig.__init__ = _init_with_aliases(KVCacheConfig.__init__)
+for _alias, _name in ALIASES.items():
+    setattr(KVCacheConfig, _alias, _alias_property(_name))

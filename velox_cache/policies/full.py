@@ -1,0 +1,34 @@
+"""The full cache: mlx-lm's ``KVCache`` with Velox accounting (the quality baseline)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from mlx_lm.models.cache import KVCache
+
+from ..accounting import CacheAccounting
+from ..config import KVCacheConfig
+
+
+class FullKVCache(CacheAccounting, KVCache):
+    """Keeps every token; logits are exactly those of mlx-lm's ``KVCache``."""
+
+    method = "full"
+
+    def __init__(self, config: Optional[KVCacheConfig] = None, layer_id: Optional[int] = None):
+        super().__init__()
+        self.config = config or KVCacheConfig(method="full")
+        self.layer_id = layer_id
+
+    @property
+    def layer_budget(self) -> int:
+        """Unbounded: the number of tokens seen."""
+        return self.offset
+
+    @property
+    def tokens_kept(self) -> int:
+        return self.offset
+
+    @property
+    def concentration(self) -> float:
+        return 0.0

@@ -1,0 +1,18 @@
+"""SnapKV: one-shot compression at the end of prefill from the prompt's last queries."""
+
+from ..base import EvictingKVCache
+
+
+class SnapKVCache(EvictingKVCache):
+    """Keeps the tokens that the last ``window`` prompt queries attend to, max-pooled over ``kernel``.
+
+    Pooling keeps neighbouring tokens together (a number split into single
+    digits survives whole). During decoding the pooled scores keep
+    accumulating attention mass and the budget holds by replacing the
+    lowest-ranked token.
+    """
+
+    method = "snapkv"
+    default_eviction = "prefill_end"
+    score_signal = "cumulative"
+    prefill_selection = "window"
