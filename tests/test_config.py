@@ -1,0 +1,51 @@
+"""KVCacheConfig validation and the original library's field names."""
+
+import pytest
+
+from velox_cache import ConfigError, KVCacheConfig
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(method="lru"), "method"),
+        (dict(budget=4, n_sink=4), "budget"),
+        (dict(budget="256"), "budget"),
+        (dict(budget=True), "budget"),
+        (dict(n_sink=-1), "n_sink"),
+        (dict(beta=0.5), "beta"),
+        (dict(strength=2), "strength"),
+        (dict(scoring="magic"), "scoring"),
+        (dict(eviction="sometimes"), "eviction"),
+        (dict(kv_dtype="int8"), "kv_dtype"),
+        (dict(kernel=4), "kernel"),
+        (dict(window=0), "window"),
+        (dict(resolved_budget=2), "resolved_budget"),
+    ],
+)
+def test_invalid_values_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=f"^{field}"):
+        KVCacheConfig(**kwargs)
+
+
+def test_original_field_names_are_aliases():
+    config = KVCacheConfig(method="pyramidkv", pyramid_budget=128, pyramid_n_sink=2, pyramid_resolved_budget=64)
+    assert (config.budget, config.n_sink, config.resolved_budget) == (128, 2, 64)
+    assert config.pyramid_budget == 128 and config.pyramid_resolved_budget == 64
+    squeeze = KVCacheConfig(method="squeeze", squeeze_budget=96, squeeze_n_sink=8, squeeze_resolved_budget=None)
+    assert (squeeze.squeeze_budget, squeeze.squeeze_n_sink, squeeze.squeeze_resolved_budget) == (96, 8, None)
+    squeeze.squeeze_budget = 50
+    assert squeeze.budget == 50
+
+
+def test_conflicting_alias_is_an_error():
+    with pytest.raises(ConfigError, match="pyramid_budget"):
+        KVCacheConfig(budget=100, pyramid_budget=200)
+
+
+def test_from_dict_suggests_the_field_meant():
+    with pytest.raises(ConfigError, match=r"cache.bugdet: unknown field \(did you mean 'budget'\?\)"):
+        KVCacheConfig.from_dict({"method": "squeeze", "bugdet": 100})
+    with pytest.raises(ConfigError, match=r"^cache.budget"):
+        KVCacheConfig.from_dict({"budget": -3})
+    assert KVCacheConfig.from_dict({"method": "snapkv", "snapkv_window": 16}).window == 16
