@@ -1,0 +1,55 @@
+"""Helpers shared by the benchmarks: the embedded model, real prose, timed prefill and decode."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import mlx.core as mx
+
+import velox_cache
+
+
+def load_default_model():
+    from pipeline.model_store import load_model
+
+    return load_model("smollm2-135m-instruct")
+
+
+def prose(min_tokens: int, tokenizer, start: int = 0) -> str:
+    """Real English prose from CPython's reference-manual topics, at least ``min_tokens`` long."""
+    from pydoc_data.topics import topics
+
+    text, keys = "", sorted(topics)[start:] + sorted(topics)[:start]
+    for key in keys:
+        text += topics[key] + "\n\n"
+        if len(tokenizer.encode(text)) >= min_tokens:
+            break
+    ids = tokenizer.encode(text)[:min_tokens]
+    return tokenizer.decode(ids)
+
+
+def scoring_context(model, scoring):
+    return velox_cache.observe(model) if scoring == "observed" else contextlib.nullcontext()
+
+
+def timed_run(model, prompt_ids, caches, *, scoring, prefill_step=256, decode_steps=16):
+    """Chunked prefill then greedy decode; returns (prefill s, decode s per token, peak bytes)."""
+    prompt = mx.array(prompt_ids)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    with scoring_context(model, scoring):
+        start = time.perf_counter()
+        for begin in range(0, prompt.size - 1, prefill_step):
+            model(prompt[None, begin : min(begin + prefill_step, prompt.size - 1)], cache=caches)
+            mx.eval([c.state for c in caches])
+        logits = model(prompt[None, -1:], cache=caches)
+        token = mx.argmax(logits[:, -1], axis=-1)
+        mx.eval(token)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(decode_steps):
+            token = mx.argmax(model(token[None], cache=caches)[:, -1], axis=-1)
+            mx.eval(token)
+        decode = (time.perf_counter() - start) / decode_steps
+    return prefill, decode, mx.get_peak_memory()
