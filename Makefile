@@ -25,7 +25,10 @@ openblas:
 model: setup
 	$(VENV)/bin/velox-batch models import
 
-run: setup openblas model
+data/pydoc_topics.parquet: | setup
+	$(VENV)/bin/velox-batch corpus pydoc-topics $@
+
+run: setup openblas model data/pydoc_topics.parquet
 	$(VENV)/bin/velox-batch run jobs/summarize.yaml
 
 test: setup openblas model

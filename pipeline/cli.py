@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import csv
+import json
+import sys
+
 import click
 
 from . import model_store
@@ -78,6 +82,209 @@ def doctor():
         click.echo(f"{name:<{width}}  {value}")
     for line in report.advice:
         click.echo(f"! {line}")
+
+
+EXIT_STATUS_HELP = """
+\b
+Exit status:
+  0  every document done (or skipped by the limits, or unchanged since a run before)
+  1  at least one document failed; its error is stored and the run went on
+  2  invalid job spec, input file, column or model; nothing was run
+  3  another run holds the store; nothing was run
+"""
+
+
+@cli.command(epilog=EXIT_STATUS_HELP)
+@click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False))
+@click.option("--db", help="SQLite store to write (overrides output.db).")
+@click.option("--limit", type=click.IntRange(min=1), help="At most this many documents (overrides limits.max_documents).")
+@click.option("--variant", "variant_names", multiple=True, help="Run only this variant (repeatable).")
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), help="Overrides limits.max_prompt_tokens.")
+@click.option("--on-too-long", type=click.Choice(["truncate", "skip", "fail"]), help="Overrides limits.on_too_long.")
+@click.option("--model", help="Model alias, mlx-lm directory or .gguf file (overrides model).")
+@click.option("--force", is_flag=True, help="Redo documents already done with the same content and settings.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+def run(spec_path, db, limit, variant_names, max_prompt_tokens, on_too_long, model, force, quiet):
+    """Run a job spec: every document of its Parquet input through every cache variant.
+
+    Results go to the SQLite store named by output.db. Documents already done
+    with the same content and settings are skipped, so a nightly rerun only
+    does new work and a killed run resumes where it stopped.
+
+    \b
+    Example:
+        velox-batch run jobs/summarize.yaml
+        velox-batch run jobs/summarize.yaml --limit 5 --variant full --db /tmp/try.db
+    """
+    from .runner import JobError, run_job
+    from .spec import SpecError, load_spec
+
+    try:
+        spec = load_spec(spec_path)
+        spec = _apply_overrides(spec, db, limit, variant_names, max_prompt_tokens, on_too_long, model)
+        summary = run_job(spec, force=force, quiet=quiet)
+    except SpecError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        sys.exit(2)
+    except JobError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        sys.exit(exc.exit_status)
+    counts = ", ".join(f"{k.removeprefix('documents_')} {v}" for k, v in summary.counts.items())
+    if not quiet:
+        click.echo(f"run {summary.run_id} -> {summary.db}: {counts}", err=True)
+    sys.exit(summary.exit_status)
+
+
+def _apply_overrides(spec, db, limit, variant_names, max_prompt_tokens, on_too_long, model):
+    from .spec import SpecError
+
+    if db:
+        spec.output.db = db
+    if limit:
+        spec.limits.max_documents = limit
+    if max_prompt_tokens:
+        spec.limits.max_prompt_tokens = max_prompt_tokens
+    if on_too_long:
+        spec.limits.on_too_long = on_too_long
+    if model:
+        spec.model = model
+    if variant_names:
+        known = {v.name: v for v in spec.variants}
+        for name in variant_names:
+            if name not in known:
+                raise SpecError(f"--variant: '{name}' is not in the spec; variants: {', '.join(known)}")
+        spec.variants = [known[name] for name in variant_names]
+    return spec
+
+
+def _db_option(function):
+    return click.option(
+        "--db", default="data/velox.db", show_default=True, type=click.Path(dir_okay=False), help="SQLite store."
+    )(function)
+
+
+@cli.command()
+@_db_option
+@click.option("--limit", default=10, show_default=True, help="How many runs.")
+def status(db, limit):
+    """Show recent runs: status, document counts and mean speeds.
+
+    \b
+    Example:
+        velox-batch status --db data/velox.db
+    """
+    columns, rows = _query_or_fail(db, "select * from run_summary limit ?", [limit])
+    _print_table(columns, rows)
+
+
+@cli.command()
+@click.argument("sql")
+@_db_option
+@click.option("--format", "output_format", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+def query(sql, db, output_format):
+    """Run a read-only SQL query against the store.
+
+    \b
+    Example:
+        velox-batch query "select method, mean_compression_ratio from method_summary"
+        velox-batch query "select document_id from documents_fts where documents_fts match 'tuple'" --format json
+    """
+    columns, rows = _query_or_fail(db, sql)
+    if output_format == "json":
+        click.echo(json.dumps([dict(zip(columns, row)) for row in rows], indent=2, default=str))
+    elif output_format == "csv":
+        writer = csv.writer(sys.stdout)
+        writer.writerow(columns)
+        writer.writerows(rows)
+    else:
+        _print_table(columns, rows)
+
+
+@cli.command()
+@click.argument("document_id")
+@_db_option
+def show(document_id, db):
+    """Show one document's outputs (every variant) and its per-layer accounting.
+
+    \b
+    Example:
+        velox-batch show tuples --db data/velox.db
+    """
+    columns, rows = _query_or_fail(
+        db,
+        "select id, variant, status, error, prompt_tokens, output_tokens, compression_ratio, "
+        "rouge_l_vs_full, output from documents where document_id = ? order by id",
+        [document_id],
+    )
+    if not rows:
+        raise click.ClickException(f"no document '{document_id}' in {db}")
+    for row in rows:
+        record = dict(zip(columns, row))
+        click.echo(f"== {document_id} / {record['variant']}: {record['status']}")
+        for name in ("error", "prompt_tokens", "output_tokens", "compression_ratio", "rouge_l_vs_full"):
+            if record[name] is not None:
+                click.echo(f"{name}: {record[name]}")
+        if record["output"] is not None:
+            click.echo(f"output:\n{record['output']}")
+        layer_columns, layer_rows = _query_or_fail(
+            db,
+            "select layer, layer_budget, tokens_seen, tokens_kept, kept_bytes, full_seq_bytes, "
+            "round(compression_ratio, 2) as compression_ratio, round(concentration, 3) as concentration "
+            "from layer_stats where document_row = ? order by layer",
+            [record["id"]],
+        )
+        if layer_rows:
+            _print_table(layer_columns, layer_rows)
+        click.echo()
+
+
+@cli.group()
+def corpus():
+    """Write ready-made corpora to Parquet.
+
+    \b
+    Example:
+        velox-batch corpus pydoc-topics data/pydoc_topics.parquet
+    """
+
+
+@corpus.command("pydoc-topics")
+@click.argument("path", type=click.Path(dir_okay=False), default="data/pydoc_topics.parquet")
+def corpus_pydoc_topics(path):
+    """CPython's reference-manual topics (pydoc_data.topics): columns topic, text.
+
+    \b
+    Example:
+        velox-batch corpus pydoc-topics data/pydoc_topics.parquet
+    """
+    from .source import write_pydoc_topics
+
+    rows = write_pydoc_topics(path)
+    click.echo(f"{rows} documents -> {path}")
+
+
+def _query_or_fail(db, sql, params=()):
+    import sqlite3
+
+    from .store import read_only_query
+
+    try:
+        return read_only_query(db, sql, params)
+    except FileNotFoundError as exc:
+        raise click.ClickException(str(exc))
+    except sqlite3.Error as exc:
+        raise click.ClickException(f"query failed (the store is read-only here): {exc}")
+
+
+def _print_table(columns, rows):
+    if not columns:
+        return
+    cells = [[("" if v is None else str(v)) for v in row] for row in rows]
+    widths = [min(60, max([len(c)] + [len(r[i]) for r in cells])) for i, c in enumerate(columns)]
+    click.echo("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    click.echo("  ".join("-" * w for w in widths))
+    for row in cells:
+        click.echo("  ".join(v.replace("\n", " ")[:w].ljust(w) for v, w in zip(row, widths)))
 
 
 def main():
