@@ -1,0 +1,269 @@
+"""velox-batch end to end on the tiny model with temporary Parquet files."""
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from pipeline.cli import cli
+from pipeline.runner import EXIT_BAD_INPUT, EXIT_DOCUMENT_FAILED, EXIT_LOCKED, JobError, run_job
+from pipeline.spec import SpecError, load_spec, parse_spec
+from pipeline.store import Store
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_corpus(path, n=4, **extra_columns):
+    ids = [f"doc-{i}" for i in range(n)]
+    texts = [f"Document {i} talks about kv caches and eviction number {i}. " * 2 for i in range(n)]
+    table = pa.table({"id": ids, "text": texts, "topic": ["caches"] * n, **extra_columns})
+    pq.write_table(table, path)
+    return path
+
+
+@pytest.fixture
+def job(tmp_path, tiny_model_dir):
+    """Write a corpus and a spec; returns a function that writes the spec with changes and its path."""
+    corpus = write_corpus(tmp_path / "corpus.parquet")
+
+    def make(changes=None, **top):
+        spec = {
+            "name": "tiny-job",
+            "model": str(tiny_model_dir),
+            "input": {
+                "path": str(corpus),
+                "id_column": "id",
+                "text_column": "text",
+                "prompt_template": "About {topic}: {text}\nSummarize.",
+            },
+            "generation": {"max_tokens": 6, "prefill_step_size": 32},
+            "variants": [
+                {"name": "full", "method": "full"},
+                {"name": "pyramid", "method": "pyramidkv", "budget": 24},
+                {"name": "squeeze", "method": "squeeze", "budget": 24},
+            ],
+            "output": {"db": str(tmp_path / "store.db")},
+        }
+        for section, values in (changes or {}).items():
+            spec[section] = {**spec.get(section, {}), **values} if isinstance(values, dict) else values
+        spec.update(top)
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        return path
+
+    return make
+
+
+def rows(db, sql):
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_run_fills_every_table_and_view(job, tmp_path):
+    result = invoke("run", job())
+    assert result.exit_code == 0, result.output
+    db = tmp_path / "store.db"
+    assert rows(db, "select status, documents_done from runs") == [("done", 12)]
+    assert rows(db, "select count(*) from documents where status = 'done'") == [(12,)]
+    assert rows(db, "select count(*) from layer_stats") == [(12 * 4,)]
+    methods = rows(db, "select method, documents from method_summary order by method")
+    assert methods == [("full", 4), ("pyramidkv", 4), ("squeeze", 4)]
+    assert len(rows(db, "select * from layer_summary")) == 12
+    assert rows(db, "select count(*) from documents where method != 'full' and rouge_l_vs_full is null") == [(0,)]
+    budgets = rows(db, "select layer, layer_budget from layer_stats where variant = 'pyramid' and document_id = 'doc-0'")
+    assert [b for _, b in budgets] == sorted([b for _, b in budgets], reverse=True)
+    assert sum(b for _, b in budgets) == 24 * 4
+    assert rows(db, "select count(*) from layer_stats where tokens_kept > layer_budget and method != 'full'") == [(0,)]
+    assert rows(db, "select count(*) from _velox_migrations") == [(2,)]
+    assert "[4/4] doc-3" in result.output  # plain progress lines when not on a terminal
+
+
+def test_full_text_search_and_query_formats(job, tmp_path):
+    invoke("run", job(), "--quiet")
+    db = tmp_path / "store.db"
+    word = rows(db, "select output from documents where output != '' limit 1")
+    ok = invoke("query", "select variant, count(*) as n from documents group by variant", "--db", db, "--format", "json")
+    assert ok.exit_code == 0 and '"variant": "full"' in ok.output
+    as_csv = invoke("query", "select document_id from documents order by id limit 1", "--db", db, "--format", "csv")
+    assert as_csv.output.splitlines() == ["document_id", "doc-0"]
+    found = invoke("query", "select count(*) from documents_fts where documents_fts match 'pyramid'", "--db", db)
+    assert found.exit_code == 0 and "4" in found.output
+    assert word is not None
+    shown = invoke("show", "doc-1", "--db", db)
+    assert shown.exit_code == 0 and "doc-1 / squeeze: done" in shown.output and "layer_budget" in shown.output
+    assert invoke("status", "--db", db).exit_code == 0
+
+
+def test_rerun_skips_and_force_redoes_without_duplicates(job, tmp_path):
+    path = job()
+    invoke("run", path, "-q")
+    again = invoke("run", path)
+    assert again.exit_code == 0
+    db = tmp_path / "store.db"
+    assert rows(db, "select documents_unchanged, documents_done from runs where id = 2") == [(12, 0)]
+    forced = invoke("run", path, "--force", "-q")
+    assert forced.exit_code == 0
+    assert rows(db, "select count(*), count(distinct doc_key) from documents") == [(12, 12)]
+    assert rows(db, "select count(*) from layer_stats") == [(48,)]
+    assert rows(db, "select distinct run_id from documents") == [(3,)]
+
+
+def test_changed_content_is_done_again(job, tmp_path):
+    path = job()
+    invoke("run", path, "-q")
+    write_corpus(tmp_path / "corpus.parquet", n=5)
+    invoke("run", path, "-q")
+    db = tmp_path / "store.db"
+    assert rows(db, "select documents_done, documents_unchanged from runs where id = 2") == [(3, 12)]
+
+
+def test_killed_run_resumes_with_nothing_lost_or_doubled(job, tmp_path):
+    write_corpus(tmp_path / "corpus.parquet", n=40)
+    path = job({"generation": {"max_tokens": 24}})
+    db = tmp_path / "store.db"
+    env = {**os.environ, "VELOX_BLAS": "reference"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "run", str(path), "-q"], cwd=REPO, env=env
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        time.sleep(0.05)
+        if db.exists():
+            try:
+                if rows(db, "select count(*) from documents")[0][0] >= 5:
+                    break
+            except sqlite3.OperationalError:
+                pass
+        assert process.poll() is None, "the run finished before it could be killed"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    stored = rows(db, "select count(*) from documents")[0][0]
+    assert 5 <= stored < 120
+    assert rows(db, "select status from runs") == [("running",)]
+    resumed = invoke("run", path, "-q")
+    assert resumed.exit_code == 0, resumed.output
+    assert rows(db, "select count(*), count(distinct doc_key) from documents") == [(120, 120)]
+    assert rows(db, "select count(*) from documents where status != 'done'") == [(0,)]
+    assert rows(db, "select count(*) from layer_stats") == [(120 * 4,)]
+    assert rows(db, "select id, status from runs order by id") == [(1, "interrupted"), (2, "done")]
+    assert rows(db, "select documents_unchanged + documents_done from runs where id = 2") == [(120,)]
+
+
+def test_bad_documents_are_stored_with_errors_and_the_run_goes_on(tmp_path, job):
+    table = pa.table(
+        {
+            "id": ["good", "null", "empty", "binary", "long"],
+            "text": ["fine text", None, "   ", "x", "y" * 400],
+            "topic": ["t"] * 5,
+            "blob": [b"ok", b"ok", b"ok", b"\xff\xfe broken", b"ok"],
+        }
+    )
+    pq.write_table(table, tmp_path / "corpus.parquet")
+    path = job(
+        {
+            "input": {"prompt_template": "{blob} {topic}: {text}"},
+            "limits": {"max_prompt_tokens": 200, "on_too_long": "fail"},
+            "variants": [{"name": "full", "method": "full"}],
+        }
+    )
+    result = invoke("run", path, "-q")
+    assert result.exit_code == EXIT_DOCUMENT_FAILED
+    errors = dict(rows(tmp_path / "store.db", "select document_id, error from documents where status = 'error'"))
+    assert "null" in errors["null"] and "empty" in errors["empty"]
+    assert "UTF-8" in errors["binary"] and "max_prompt_tokens=200" in errors["long"]
+    assert rows(tmp_path / "store.db", "select status from documents where document_id = 'good'") == [("done",)]
+    assert rows(tmp_path / "store.db", "select status, documents_failed from runs") == [("done_with_errors", 4)]
+
+
+@pytest.mark.parametrize("policy, status, truncated", [("skip", "skipped", None), ("truncate", "done", 1)])
+def test_too_long_prompts_follow_the_limits(job, tmp_path, policy, status, truncated):
+    path = job({"limits": {"max_prompt_tokens": 60, "on_too_long": policy}, "variants": [{"method": "full"}]})
+    assert invoke("run", path, "-q").exit_code == 0
+    db = tmp_path / "store.db"
+    assert rows(db, "select distinct status, truncated from documents") == [(status, truncated)]
+    if policy == "truncate":
+        assert rows(db, "select max(prompt_tokens) from documents")[0][0] <= 60
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"generation": {"max_tokens": "ten"}}, "generation.max_tokens: expected an integer, got 'ten'"),
+        ({"input": {"id_column": None}}, "input.id_column: must not be empty"),
+        ({"generation": {"max_tokns": 5}}, "generation.max_tokns: unknown field (did you mean 'max_tokens'?)"),
+        ({"variants": [{"method": "pyramidkv", "bugdet": 5}]}, "did you mean 'budget'?"),
+        ({"variants": [{"method": "lru"}]}, "method: 'lru' is not one of"),
+        ({"input": {"path": "/nonexistent/corpus.parquet"}}, "input.path: no Parquet file found at '/nonexistent/corpus.parquet'"),
+        ({"input": {"text_column": "body"}}, "column 'body' not found"),
+        ({"limits": {"on_too_long": "explode"}}, "limits.on_too_long: 'explode' is not one of"),
+    ],
+)
+def test_bad_specs_fail_fast_with_one_clear_message(job, change, message):
+    result = invoke("run", job(change))
+    assert result.exit_code == EXIT_BAD_INPUT
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_missing_column_lists_the_columns_and_loads_no_model(job):
+    spec = load_spec(job({"input": {"text_column": "body"}}))
+
+    def no_model(name):
+        raise AssertionError("model loaded before the input was validated")
+
+    with pytest.raises(JobError, match="columns: id, text, topic") as error:
+        run_job(spec, load_model=no_model)
+    assert error.value.exit_status == EXIT_BAD_INPUT
+
+
+def test_missing_required_and_unknown_top_level_fields():
+    with pytest.raises(SpecError, match="model: required field is missing"):
+        parse_spec({"name": "x", "input": {}})
+    with pytest.raises(SpecError, match=r"modle: unknown field \(did you mean 'model'\?\)"):
+        parse_spec({"name": "x", "modle": "m", "model": "m", "input": {}})
+
+
+def test_unknown_variant_override_is_an_error(job):
+    result = invoke("run", job(), "--variant", "nope")
+    assert result.exit_code == EXIT_BAD_INPUT and "variants: full, pyramid, squeeze" in result.output
+
+
+def test_overrides_select_variants_db_and_limit(job, tmp_path):
+    other = tmp_path / "other.db"
+    result = invoke("run", job(), "--variant", "squeeze", "--db", other, "--limit", "2", "-q")
+    assert result.exit_code == 0
+    assert rows(other, "select variant, count(*) from documents group by variant") == [("squeeze", 2)]
+
+
+def test_a_second_run_on_the_same_store_is_refused(job, tmp_path):
+    path = job()
+    with Store(tmp_path / "store.db").locked():
+        result = invoke("run", path)
+    assert result.exit_code == EXIT_LOCKED
+    assert "in use by another run" in result.output
+
+
+def test_query_cannot_write(job, tmp_path):
+    invoke("run", job(), "-q", "--limit", "1")
+    db = tmp_path / "store.db"
+    for sql in ["delete from documents", "insert into runs (job_name) values ('x')", "drop table runs"]:
+        result = invoke("query", sql, "--db", db)
+        assert result.exit_code != 0
+        assert "read-only" in result.output
+    assert rows(db, "select count(*) from documents") == [(3,)]
