@@ -12,7 +12,12 @@ import velox_cache
 from velox_cache import KVCacheBuilder, KVCacheConfig, KVCacheFactory
 from velox_cache.policies import POLICIES
 
-EVICTING = [m for m in POLICIES if m != "full"]
+# Every evicting policy with its defaults, plus the non-default eviction timings.
+POLICY_CONFIGS = {m: {"method": m} for m in POLICIES if m != "full"}
+POLICY_CONFIGS["pyramidkv-continuous"] = {"method": "pyramidkv", "eviction": "continuous", "selection": "cumulative"}
+POLICY_CONFIGS["squeeze-continuous"] = {"method": "squeeze", "eviction": "continuous", "selection": "cumulative"}
+POLICY_CONFIGS["h2o-prefill-end"] = {"method": "h2o", "eviction": "prefill_end"}
+EVICTING = list(POLICY_CONFIGS)
 SCORINGS = ["key_proxy", "observed"]
 B, H, GROUP, D = 1, 2, 2, 16
 
@@ -46,7 +51,7 @@ def drive(cache, chunks, decode_steps, scoring, check):
 @pytest.mark.parametrize("method", EVICTING)
 def test_offset_budget_and_returned_keys(method, scoring):
     mx.random.seed(1)
-    cache = KVCacheFactory.create(KVCacheConfig(method=method, budget=24, n_sink=2, scoring=scoring))
+    cache = KVCacheFactory.create(KVCacheConfig(**POLICY_CONFIGS[method], budget=24, n_sink=2, scoring=scoring))
 
     def check(cache, n_new, keys, out_keys, kept_before, offset):
         assert cache.offset == offset, "offset is the absolute number of tokens seen"
@@ -67,7 +72,7 @@ def test_offset_budget_and_returned_keys(method, scoring):
 @pytest.mark.parametrize("scoring", SCORINGS)
 @pytest.mark.parametrize("method", EVICTING)
 def test_kept_bytes_is_the_nbytes_of_what_is_held(method, scoring):
-    cache = KVCacheFactory.create(KVCacheConfig(method=method, budget=16, scoring=scoring))
+    cache = KVCacheFactory.create(KVCacheConfig(**POLICY_CONFIGS[method], budget=16, scoring=scoring))
 
     def check(cache, *_):
         assert cache.kept_bytes == cache.keys.nbytes + cache.values.nbytes == cache.nbytes
@@ -112,7 +117,7 @@ def test_budget_above_length_gives_plain_kvcache_logits(tiny_model, method, scor
 def test_stream_generate_with_small_prefill_steps(tiny_model, method, scoring):
     model, tokenizer = tiny_model
     prompt = tokenizer.encode("Compress me, please. " * 12)
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, budget=40, scoring=scoring))
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(**POLICY_CONFIGS[method], budget=40, scoring=scoring))
     context = velox_cache.observe(model) if scoring == "observed" else contextlib.nullcontext()
     with context:
         responses = list(
@@ -128,7 +133,7 @@ def test_stream_generate_with_small_prefill_steps(tiny_model, method, scoring):
 @pytest.mark.parametrize("method", EVICTING)
 def test_long_decode_keeps_memory_flat(tiny_model, method):
     model, _ = tiny_model
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, budget=32, scoring="key_proxy"))
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(**POLICY_CONFIGS[method], budget=32, scoring="key_proxy"))
     generator = generate_step(mx.array([5] * 40), model, max_tokens=1000, prompt_cache=caches)
     for step, _ in enumerate(generator):
         if step == 100:
@@ -235,13 +240,14 @@ def test_observed_scoring_without_observe_is_a_clear_error():
 
 @pytest.mark.parametrize("method", EVICTING)
 def test_misuse_is_a_clear_error(method):
+    settings = POLICY_CONFIGS[method]
     with pytest.raises(velox_cache.ConfigError, match="budget"):
-        KVCacheConfig(method=method, budget=3, n_sink=4)
+        KVCacheConfig(**settings, budget=3, n_sink=4)
     with pytest.raises(TypeError, match="config"):
-        POLICIES[method]({"budget": 16})
+        POLICIES[settings["method"]]({"budget": 16})
     with pytest.raises(TypeError, match="config"):
-        KVCacheBuilder.for_model(object(), {"method": method})
-    cache = KVCacheFactory.create(KVCacheConfig(method=method, budget=16))
+        KVCacheBuilder.for_model(object(), settings)
+    cache = KVCacheFactory.create(KVCacheConfig(**settings, budget=16))
     with pytest.raises(TypeError, match="batch"):
         cache.merge([cache, cache])
     assert cache.is_trimmable() is False

@@ -36,7 +36,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
     method = "h2o"
     default_eviction = "continuous"
     score_signal = "cumulative"  # "cumulative" (H2O), "current" (TOVA) or "recency"
-    prefill_selection = "cumulative"  # or "window": pooled scores of the prompt's last queries
+    default_selection = "cumulative"  # or "window": pooled scores of the prompt's last queries
     measures_concentration = False
 
     def __init__(self, config: KVCacheConfig, layer_id: Optional[int] = None):
@@ -73,6 +73,15 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
     def eviction(self) -> str:
         """``continuous`` or ``prefill_end``."""
         return self.config.eviction or self.default_eviction
+
+    @property
+    def prefill_selection(self) -> str:
+        """What ranks tokens at the end of prefill: ``cumulative`` or ``window``."""
+        return self.config.selection or self.default_selection
+
+    @property
+    def _selects_by_window(self) -> bool:
+        return self.prefill_selection == "window" and self.eviction == "prefill_end"
 
     @property
     def scoring(self) -> Optional[str]:
@@ -307,7 +316,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         """How many of this call's last query rows feed the token scores."""
         if self.score_signal == "recency":
             return 0
-        if self._prefilling and self.prefill_selection == "window" and self.eviction == "prefill_end":
+        if self._prefilling and self._selects_by_window:
             return 0  # the window decides at prefill end; earlier chunks need no scores
         return 1 if self.score_signal == "current" else n_queries
 
@@ -340,7 +349,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
 
     def _remember_window(self, queries: mx.array) -> None:
         """Keep the latest ``window`` queries of the prompt for window-based selection."""
-        if not (self._prefilling and self.prefill_selection == "window"):
+        if not (self._prefilling and self._selects_by_window):
             return
         window = self.config.window
         n_new = queries.shape[2]
@@ -365,7 +374,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
     def _end_prefill(self) -> None:
         self._prefilling = False
         self._on_prefill_end()
-        if self.prefill_selection == "window" and self._window_queries is not None:
+        if self._selects_by_window and self._window_queries is not None:
             self.scores = self._window_selection_scores()
         self._window_queries = self._window_positions = None
         self._evict_to(self._budget_in_force())

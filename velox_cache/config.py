@@ -9,6 +9,7 @@ from typing import Any, Optional
 METHODS = ("full", "h2o", "tova", "snapkv", "streaming", "pyramidkv", "squeeze")
 SCORINGS = ("observed", "key_proxy")
 EVICTIONS = ("continuous", "prefill_end")
+SELECTIONS = ("cumulative", "window")
 KV_DTYPES = ("float16", "bfloat16", "float32")
 
 # Field names of the original library, kept so that code written for it runs unchanged.
@@ -79,6 +80,10 @@ class KVCacheConfig:
             observed while the model is observed, key proxy otherwise.
         eviction: ``continuous`` (after every chunk and step) or ``prefill_end``
             (once, when decoding starts). ``None`` takes the policy's default.
+        selection: what ranks tokens when prefill ends under ``prefill_end``:
+            ``cumulative`` attention mass (H2O) or ``window``: the attention of
+            the prompt's last ``window`` queries, max-pooled over ``kernel``
+            (SnapKV). ``None`` takes the policy's default.
         recent: most recent tokens protected from eviction (``None``: budget // 8).
         window: SnapKV observation window (the prompt's last queries).
         kernel: SnapKV pooling kernel over neighbouring positions (odd).
@@ -93,6 +98,7 @@ class KVCacheConfig:
     kv_dtype: Optional[str] = None
     scoring: Optional[str] = None
     eviction: Optional[str] = None
+    selection: Optional[str] = None
     recent: Optional[int] = None
     window: int = 32
     kernel: int = 31
@@ -107,6 +113,7 @@ class KVCacheConfig:
         _check_choice("kv_dtype", self.kv_dtype, KV_DTYPES, optional=True)
         _check_choice("scoring", self.scoring, SCORINGS, optional=True)
         _check_choice("eviction", self.eviction, EVICTIONS, optional=True)
+        _check_choice("selection", self.selection, SELECTIONS, optional=True)
         _check_int("recent", self.recent, 0, optional=True)
         _check_int("window", self.window, 1)
         _check_int("kernel", self.kernel, 1)

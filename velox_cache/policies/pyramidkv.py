@@ -1,4 +1,4 @@
-"""PyramidKV: H2O scoring with per-layer budgets that taper with depth, fixed at build time."""
+"""PyramidKV: per-layer budgets that taper with depth, fixed at build time."""
 
 from ..base import EvictingKVCache
 
@@ -8,10 +8,19 @@ class PyramidKVCache(EvictingKVCache):
 
     Its budget is ``config.resolved_budget``, which ``KVCacheBuilder.for_model``
     fills in from ``pyramid_budgets``; without it (``KVCacheFactory.create``)
-    the layer keeps the average ``budget`` like a uniform H2O layer.
+    the layer keeps the average ``budget`` like a uniform layer.
+
+    As in the PyramidKV paper, the layer compresses once when prefill ends,
+    keeping what the prompt's last ``window`` queries attend to (max-pooled
+    over ``kernel``), then keeps its budget during decoding by cumulative
+    attention mass (H2O). ``eviction='continuous'`` with
+    ``selection='cumulative'`` evicts by H2O mass after every chunk instead
+    (bounded memory during prefill, at a cost in recall).
     """
 
     method = "pyramidkv"
+    default_eviction = "prefill_end"
+    default_selection = "window"
     score_signal = "cumulative"
 
     @property

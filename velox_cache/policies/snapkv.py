@@ -15,4 +15,4 @@ class SnapKVCache(EvictingKVCache):
     method = "snapkv"
     default_eviction = "prefill_end"
     score_signal = "cumulative"
-    prefill_selection = "window"
+    default_selection = "window"

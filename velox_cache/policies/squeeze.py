@@ -17,8 +17,11 @@ class SqueezeAttentionCache(EvictingKVCache):
     ``SqueezeCoordinator`` turns all layers' concentrations into budgets once
     (``squeeze_budgets``) and freezes them. By default nothing is evicted
     before that (``eviction='prefill_end'``), so no layer can lose a token its
-    final budget would keep; with ``eviction='continuous'`` a layer keeps, until
-    then, the largest budget the schedule could give it.
+    final budget would keep; each layer then keeps what the prompt's last
+    ``window`` queries attend to (max-pooled over ``kernel``) and holds its
+    budget during decoding by cumulative attention mass (H2O). With
+    ``eviction='continuous'`` a layer evicts by H2O mass after every chunk,
+    keeping until the schedule exists the largest budget it could give.
 
     Without a coordinator (``KVCacheFactory.create``) the layer keeps the
     average ``budget``, like a uniform H2O layer; ``resolved_budget`` overrides.
@@ -26,6 +29,7 @@ class SqueezeAttentionCache(EvictingKVCache):
 
     method = "squeeze"
     default_eviction = "prefill_end"
+    default_selection = "window"
     score_signal = "cumulative"
     measures_concentration = True
 
