@@ -23,11 +23,23 @@ from velox_cache import KVCacheBuilder, KVCacheConfig  # noqa: E402
 from velox_cache.policies import POLICIES  # noqa: E402
 
 
+def policy_config(policy: str, budget: int, scoring: str) -> KVCacheConfig:
+    """``name`` or ``name:continuous`` (continuous H2O eviction instead of the default timing)."""
+    method, _, timing = policy.partition(":")
+    extra = {"eviction": "continuous", "selection": "cumulative"} if timing == "continuous" else {}
+    return KVCacheConfig(method=method, budget=budget, scoring=scoring, **extra)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512])
-    parser.add_argument("--policies", nargs="+", default=[p for p in POLICIES if p != "full"])
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        default=[p for p in POLICIES if p != "full"] + ["pyramidkv:continuous", "squeeze:continuous"],
+        help="policy names; NAME:continuous evicts by H2O mass after every chunk",
+    )
     parser.add_argument("--scorings", nargs="+", default=["key_proxy", "observed"])
     parser.add_argument("--decode-steps", type=int, default=16)
     args = parser.parse_args(argv)
@@ -45,7 +57,7 @@ def main(argv=None):
         for policy in args.policies:
             for budget in args.budgets:
                 for scoring in args.scorings:
-                    config = KVCacheConfig(method=policy, budget=budget, scoring=scoring)
+                    config = policy_config(policy, budget, scoring)
                     caches = KVCacheBuilder.for_model(model, config)
                     prefill, decode, peak = timed_run(
                         model, prompt, caches, scoring=scoring, decode_steps=args.decode_steps
