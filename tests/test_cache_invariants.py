@@ -253,3 +253,14 @@ def test_misuse_is_a_clear_error(method):
     assert cache.is_trimmable() is False
     with pytest.raises(NotImplementedError, match="sliding-window"):
         cache.make_mask(4, window_size=2)
+
+
+@pytest.mark.parametrize("scoring", SCORINGS)
+def test_kv_dtype_sets_the_stored_dtype(tiny_model, scoring):
+    model, tokenizer = tiny_model
+    prompt = mx.array(tokenizer.encode("Half precision keys and values. " * 4))
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="h2o", budget=32, kv_dtype="float16", scoring=scoring))
+    outputs = _logits(model, prompt, caches, 32, 4, scoring)
+    assert all(c.keys.dtype == mx.float16 and c.values.dtype == mx.float16 for c in caches)
+    assert all(c.kept_bytes == c.keys.size * 2 * 2 for c in caches)
+    assert all(mx.isfinite(o).all().item() for o in outputs)

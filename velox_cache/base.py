@@ -108,10 +108,8 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
             )
         n_new = keys.shape[2]
         if self.keys is None:
-            self._start(keys)
-        if self.config.kv_dtype is not None:
-            keys = keys.astype(getattr(mx, self.config.kv_dtype))
-            values = values.astype(getattr(mx, self.config.kv_dtype))
+            self._start(keys, values)
+        keys, values = keys.astype(self.keys.dtype), values.astype(self.values.dtype)
         if n_new == 1 and self._prefilling and self.offset > 0:
             self._end_prefill()
         if n_new == 1 and self._evicting_now():
@@ -215,15 +213,17 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
 
     # ----- mechanics ----------------------------------------------------------------------
 
-    def _start(self, keys: mx.array) -> None:
+    def _start(self, keys: mx.array, values: mx.array) -> None:
         if self.scoring is None:
             self._scoring = "observed" if is_observing() else "key_proxy"
         batch, heads, _, _ = keys.shape
-        dtype = getattr(mx, self.config.kv_dtype) if self.config.kv_dtype else keys.dtype
-        self.keys = mx.zeros((batch, heads, 0, keys.shape[-1]), dtype)
-        self.values = None
+        self.keys = mx.zeros((batch, heads, 0, keys.shape[-1]), self._dtype(keys))
+        self.values = mx.zeros((batch, heads, 0, values.shape[-1]), self._dtype(values))
         self.scores = mx.zeros((batch, heads, 0), mx.float32)
         self.positions = mx.zeros((batch, heads, 0), mx.int32)
+
+    def _dtype(self, array: mx.array):
+        return getattr(mx, self.config.kv_dtype) if self.config.kv_dtype else array.dtype
 
     def _evicting_now(self) -> bool:
         return self.eviction == "continuous" or not self._prefilling
@@ -239,7 +239,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
             mx.arange(self.offset, self.offset + n_new, dtype=mx.int32), (batch, heads, n_new)
         )
         capacity = self.keys.shape[2]
-        if n_new == 1 and self.values is not None and self._stored < capacity:
+        if n_new == 1 and self._stored < capacity:
             slot = self._stored
             self.keys[:, :, slot : slot + 1] = keys
             self.values[:, :, slot : slot + 1] = values
@@ -249,7 +249,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
             spare = 0
             if n_new == 1:  # room to grow in place up to the budget while decoding
                 spare = max(0, min(self._budget_in_force(), self._stored + 256) - self._stored - 1)
-            kept_keys, kept_values = (self._held() if self.values is not None else (self.keys, None))
+            kept_keys, kept_values = self._held()
             self.keys = self._concat(kept_keys, keys, spare)
             self.values = self._concat(kept_values, values, spare)
             self.scores = self._concat(self.scores[..., : self._stored], mx.zeros((batch, heads, n_new)), spare)
@@ -258,7 +258,8 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
 
     @staticmethod
     def _concat(kept, new, spare):
-        parts = [new] if kept is None or kept.shape[2 if new.ndim == 4 else -1] == 0 else [kept, new]
+        """``kept`` then ``new`` then ``spare`` empty slots, along the token axis (2)."""
+        parts = [kept, new] if kept.shape[2] else [new]
         if spare:
             parts.append(mx.zeros((*new.shape[:2], spare, *new.shape[3:]), new.dtype))
         return mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
