@@ -132,3 +132,10 @@ def test_every_command_has_help():
                 walk(command, path + [name])
 
     walk(cli, [])
+
+
+def test_a_gguf_path_names_a_model(models_dir, embedded_gguf):
+    directory = model_store.resolve_model(str(embedded_gguf))
+    assert directory.parent == models_dir
+    assert (directory / model_import.COMPLETE_MARKER).is_file()
+    assert model_store.resolve_model(str(directory)) == directory  # an mlx-lm directory names itself

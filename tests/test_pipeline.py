@@ -267,3 +267,29 @@ def test_query_cannot_write(job, tmp_path):
         assert result.exit_code != 0
         assert "read-only" in result.output
     assert rows(db, "select count(*) from documents") == [(3,)]
+
+
+class FakeTerminal:
+    def __init__(self):
+        import io
+
+        self.buffer = io.StringIO()
+
+    def isatty(self):
+        return True
+
+    def write(self, text):
+        return self.buffer.write(text)
+
+    def flush(self):
+        pass
+
+
+def test_progress_is_a_bar_on_a_terminal_and_silent_when_quiet(job, tmp_path):
+    terminal = FakeTerminal()
+    run_job(load_spec(job()), progress_stream=terminal)
+    shown = terminal.buffer.getvalue()
+    assert "4/4" in shown and ("doc/s" in shown or "s/doc" in shown)
+    quiet = FakeTerminal()
+    run_job(load_spec(job()), force=True, quiet=True, progress_stream=quiet)
+    assert quiet.buffer.getvalue() == ""
