@@ -8,6 +8,7 @@ import time
 import mlx.core as mx
 
 import velox_cache
+from pipeline.generation import prefill
 
 
 def load_default_model():
@@ -35,21 +36,16 @@ def scoring_context(model, scoring):
 
 def timed_run(model, prompt_ids, caches, *, scoring, prefill_step=256, decode_steps=16):
     """Chunked prefill then greedy decode; returns (prefill s, decode s per token, peak bytes)."""
-    prompt = mx.array(prompt_ids)
     mx.clear_cache()
     mx.reset_peak_memory()
     with scoring_context(model, scoring):
         start = time.perf_counter()
-        for begin in range(0, prompt.size - 1, prefill_step):
-            model(prompt[None, begin : min(begin + prefill_step, prompt.size - 1)], cache=caches)
-            mx.eval([c.state for c in caches])
-        logits = model(prompt[None, -1:], cache=caches)
-        token = mx.argmax(logits[:, -1], axis=-1)
+        token = mx.argmax(prefill(model, prompt_ids, caches, prefill_step), axis=-1)
         mx.eval(token)
-        prefill = time.perf_counter() - start
+        prefill_seconds = time.perf_counter() - start
         start = time.perf_counter()
         for _ in range(decode_steps):
             token = mx.argmax(model(token[None], cache=caches)[:, -1], axis=-1)
             mx.eval(token)
         decode = (time.perf_counter() - start) / decode_steps
-    return prefill, decode, mx.get_peak_memory()
+    return prefill_seconds, decode, mx.get_peak_memory()

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 
 from bench.common import load_default_model, prose, scoring_context  # noqa: E402
+from pipeline.generation import prefill  # noqa: E402
 from pipeline.similarity import rouge_l  # noqa: E402
 from velox_cache import KVCacheBuilder, KVCacheConfig  # noqa: E402
 from velox_cache.policies import POLICIES  # noqa: E402
@@ -58,13 +59,9 @@ def make_needle_case(tokenizer, *, seed: int, n_tokens: int, depth: float) -> Ne
 
 def greedy(model, prompt_ids, caches, scoring, max_tokens, prefill_step=256):
     """Chunked prefill and greedy decode; returns the generated token ids."""
-    prompt = mx.array(prompt_ids)
     out = []
     with scoring_context(model, scoring):
-        for begin in range(0, prompt.size - 1, prefill_step):
-            model(prompt[None, begin : min(begin + prefill_step, prompt.size - 1)], cache=caches)
-            mx.eval([c.state for c in caches])
-        token = mx.argmax(model(prompt[None, -1:], cache=caches)[:, -1], axis=-1).item()
+        token = mx.argmax(prefill(model, prompt_ids, caches, prefill_step), axis=-1).item()
         while len(out) < max_tokens and token not in (0, 2):
             out.append(token)
             token = mx.argmax(model(mx.array([[token]]), cache=caches)[:, -1], axis=-1).item()
@@ -75,12 +72,8 @@ def teacher_forced_agreement(model, prompt_ids, reference_ids, caches, scoring, 
     """Share of the reference continuation's tokens that the cache's top-1 prediction matches."""
     if not reference_ids:
         return 1.0
-    prompt = mx.array(prompt_ids)
     with scoring_context(model, scoring):
-        for begin in range(0, prompt.size - 1, prefill_step):
-            model(prompt[None, begin : min(begin + prefill_step, prompt.size - 1)], cache=caches)
-            mx.eval([c.state for c in caches])
-        predictions = [mx.argmax(model(prompt[None, -1:], cache=caches)[:, -1], axis=-1).item()]
+        predictions = [mx.argmax(prefill(model, prompt_ids, caches, prefill_step), axis=-1).item()]
         for token in reference_ids[:-1]:
             predictions.append(mx.argmax(model(mx.array([[token]]), cache=caches)[:, -1], axis=-1).item())
     return sum(p == r for p, r in zip(predictions, reference_ids)) / len(reference_ids)

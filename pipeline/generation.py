@@ -54,15 +54,10 @@ def generate(model, tokenizer, prompt_tokens: list[int], config: KVCacheConfig, 
     mx.random.seed(settings.seed)
     mx.clear_cache()
     mx.reset_peak_memory()
-    prompt = mx.array(prompt_tokens)
-    step = settings.prefill_step_size
     generated: list[int] = []
     with _observation(model, config):
         start = time.perf_counter()
-        for begin in range(0, prompt.size - 1, step):
-            model(prompt[None, begin : min(begin + step, prompt.size - 1)], cache=caches)
-            mx.eval([c.state for c in caches])
-        token = _next(model, prompt[-1:], caches, sampler)
+        token = _sample(prefill(model, prompt_tokens, caches, settings.prefill_step_size), sampler)
         prefill_seconds = time.perf_counter() - start
         start = time.perf_counter()
         stop_reason = "max_tokens"
@@ -73,7 +68,7 @@ def generate(model, tokenizer, prompt_tokens: list[int], config: KVCacheConfig, 
             generated.append(token)
             if len(generated) >= settings.max_tokens:
                 break
-            token = _next(model, mx.array([token]), caches, sampler)
+            token = _sample(model(mx.array([[token]]), cache=caches)[:, -1, :], sampler)
         decode_seconds = time.perf_counter() - start
     return GenerationResult(
         output=tokenizer.decode(generated),
@@ -87,8 +82,20 @@ def generate(model, tokenizer, prompt_tokens: list[int], config: KVCacheConfig, 
     )
 
 
-def _next(model, tokens: mx.array, caches, sampler) -> int:
-    logits = model(tokens[None], cache=caches)[:, -1, :]
+def prefill(model, prompt_tokens, caches, step: int) -> mx.array:
+    """Run the prompt through ``model`` in chunks of ``step`` tokens; returns the last logits ``[1, V]``.
+
+    Like ``mlx_lm.generate_step``: all but the last token in chunks (evaluating
+    the cache state after each), then the last token alone, which ends prefill.
+    """
+    prompt = mx.array(prompt_tokens)
+    for begin in range(0, prompt.size - 1, step):
+        model(prompt[None, begin : min(begin + step, prompt.size - 1)], cache=caches)
+        mx.eval([c.state for c in caches])
+    return model(prompt[None, -1:], cache=caches)[:, -1, :]
+
+
+def _sample(logits: mx.array, sampler) -> int:
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return sampler(logprobs).item()
 
