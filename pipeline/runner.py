@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 from . import model_store
 from .generation import generate
+from .platform import loaded_blas
 from .prompting import PromptTooLong, build_prompt
 from .similarity import rouge_l
 from .source import count_documents, iter_documents, open_dataset
@@ -129,7 +130,7 @@ def _run_locked(spec, store, dataset, force, quiet, load_model, progress_stream)
             "velox_version": _version("velox"),
             "mlx_version": _version("mlx"),
             "mlx_lm_version": _version("mlx-lm"),
-            "device": f"{mx.default_device()} ({model_store.backend_name()})",
+            "device": f"{mx.default_device()} ({model_store.backend_name()}; BLAS: {loaded_blas()})",
             "host": socket.gethostname(),
             "documents_total": total * len(spec.variants),
         }
