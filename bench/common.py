@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 
 import mlx.core as mx
@@ -35,7 +36,7 @@ def scoring_context(model, scoring):
 
 
 def timed_run(model, prompt_ids, caches, *, scoring, prefill_step=256, decode_steps=16):
-    """Chunked prefill then greedy decode; returns (prefill s, decode s per token, peak bytes)."""
+    """Chunked prefill then greedy decode; returns (prefill s, median decode s per token, peak bytes)."""
     mx.clear_cache()
     mx.reset_peak_memory()
     with scoring_context(model, scoring):
@@ -43,9 +44,11 @@ def timed_run(model, prompt_ids, caches, *, scoring, prefill_step=256, decode_st
         token = mx.argmax(prefill(model, prompt_ids, caches, prefill_step), axis=-1)
         mx.eval(token)
         prefill_seconds = time.perf_counter() - start
-        start = time.perf_counter()
+        steps = []
         for _ in range(decode_steps):
+            start = time.perf_counter()
             token = mx.argmax(model(token[None], cache=caches)[:, -1], axis=-1)
             mx.eval(token)
-        decode = (time.perf_counter() - start) / decode_steps
+            steps.append(time.perf_counter() - start)
+        decode = statistics.median(steps)
     return prefill_seconds, decode, mx.get_peak_memory()

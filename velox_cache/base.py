@@ -28,6 +28,7 @@ from .config import KVCacheConfig
 from .observe import is_observing, shared_softmax_default
 
 CONCENTRATION_ROWS = 8  # query rows per chunk sampled for the concentration signal
+GROWTH_STEP = 256  # buffer growth granularity, as mlx-lm's KVCache
 
 
 class EvictingKVCache(CacheAccounting, _BaseCache):
@@ -234,27 +235,34 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         return self.keys[:, :, : self._stored], self.values[:, :, : self._stored]
 
     def _append(self, keys: mx.array, values: mx.array) -> None:
+        """Write new tokens after the held ones: in place when the buffer has room, else grow it."""
         batch, heads, n_new, _ = keys.shape
         new_positions = mx.broadcast_to(
             mx.arange(self.offset, self.offset + n_new, dtype=mx.int32), (batch, heads, n_new)
         )
-        capacity = self.keys.shape[2]
-        if n_new == 1 and self._stored < capacity:
-            slot = self._stored
-            self.keys[:, :, slot : slot + 1] = keys
-            self.values[:, :, slot : slot + 1] = values
-            self.scores[:, :, slot : slot + 1] = 0
-            self.positions[:, :, slot : slot + 1] = new_positions
+        start, end = self._stored, self._stored + n_new
+        if end <= self.keys.shape[2]:
+            self.keys[:, :, start:end] = keys
+            self.values[:, :, start:end] = values
+            self.scores[:, :, start:end] = 0
+            self.positions[:, :, start:end] = new_positions
         else:
-            spare = 0
-            if n_new == 1:  # room to grow in place up to the budget while decoding
-                spare = max(0, min(self._budget_in_force(), self._stored + 256) - self._stored - 1)
+            spare = self._spare_slots(n_new)
             kept_keys, kept_values = self._held()
             self.keys = self._concat(kept_keys, keys, spare)
             self.values = self._concat(kept_values, values, spare)
-            self.scores = self._concat(self.scores[..., : self._stored], mx.zeros((batch, heads, n_new)), spare)
-            self.positions = self._concat(self.positions[..., : self._stored], new_positions, spare)
-        self._stored += n_new
+            self.scores = self._concat(self.scores[..., :start], mx.zeros((batch, heads, n_new)), spare)
+            self.positions = self._concat(self.positions[..., :start], new_positions, spare)
+        self._stored = end
+
+    def _spare_slots(self, n_new: int) -> int:
+        """Empty slots to add when the buffer grows, so that the next appends write in place."""
+        end = self._stored + n_new
+        if n_new == 1:  # decoding below budget: room up to the budget
+            return max(0, min(self._budget_in_force(), end + GROWTH_STEP) - end)
+        if not self._evicting_now():  # a prefill that keeps everything: grow in steps, like KVCache
+            return -end % GROWTH_STEP
+        return 0  # the chunk is evicted down to budget right after
 
     @staticmethod
     def _concat(kept, new, spare):
@@ -376,6 +384,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         self._prefilling = False
         self._on_prefill_end()
         if self._selects_by_window and self._window_queries is not None:
-            self.scores = self._window_selection_scores()
+            scores = self._window_selection_scores()  # [B, H, stored]
+            self.scores = mx.pad(scores, [(0, 0), (0, 0), (0, self.keys.shape[2] - self._stored)])
         self._window_queries = self._window_positions = None
         self._evict_to(self._budget_in_force())
