@@ -173,7 +173,9 @@ def status(db, limit):
     Example:
         velox-batch status --db data/velox.db
     """
-    columns, rows = _query_or_fail(db, "select * from run_summary limit ?", [limit])
+    from .store import recent_runs
+
+    columns, rows = _read_or_fail(recent_runs, db, limit)
     _print_table(columns, rows)
 
 
@@ -189,7 +191,9 @@ def query(sql, db, output_format):
         velox-batch query "select method, mean_compression_ratio from method_summary"
         velox-batch query "select document_id from documents_fts where documents_fts match 'tuple'" --format json
     """
-    columns, rows = _query_or_fail(db, sql)
+    from .store import read_only_query
+
+    columns, rows = _read_or_fail(read_only_query, db, sql)
     if output_format == "json":
         click.echo(json.dumps([dict(zip(columns, row)) for row in rows], indent=2, default=str))
     elif output_format == "csv":
@@ -210,12 +214,9 @@ def show(document_id, db):
     Example:
         velox-batch show tuples --db data/velox.db
     """
-    columns, rows = _query_or_fail(
-        db,
-        "select id, variant, status, error, prompt_tokens, output_tokens, compression_ratio, "
-        "rouge_l_vs_full, output from documents where document_id = ? order by id",
-        [document_id],
-    )
+    from .store import document_layers, document_variants
+
+    columns, rows = _read_or_fail(document_variants, db, document_id)
     if not rows:
         raise click.ClickException(f"no document '{document_id}' in {db}")
     for row in rows:
@@ -226,13 +227,7 @@ def show(document_id, db):
                 click.echo(f"{name}: {record[name]}")
         if record["output"] is not None:
             click.echo(f"output:\n{record['output']}")
-        layer_columns, layer_rows = _query_or_fail(
-            db,
-            "select layer, layer_budget, tokens_seen, tokens_kept, kept_bytes, full_seq_bytes, "
-            "round(compression_ratio, 2) as compression_ratio, round(concentration, 3) as concentration "
-            "from layer_stats where document_row = ? order by layer",
-            [record["id"]],
-        )
+        layer_columns, layer_rows = _read_or_fail(document_layers, db, record["id"])
         if layer_rows:
             _print_table(layer_columns, layer_rows)
         click.echo()
@@ -263,13 +258,11 @@ def corpus_pydoc_topics(path):
     click.echo(f"{rows} documents -> {path}")
 
 
-def _query_or_fail(db, sql, params=()):
+def _read_or_fail(reader, db, *args):
     import sqlite3
 
-    from .store import read_only_query
-
     try:
-        return read_only_query(db, sql, params)
+        return reader(db, *args)
     except FileNotFoundError as exc:
         raise click.ClickException(str(exc))
     except sqlite3.Error as exc:

@@ -235,9 +235,6 @@ class Store:
     def finish_run(self, run_id: int, status: str, counts: dict) -> None:
         self.update_run(run_id, status=status, ended_at=now(), **counts)
 
-    def recent_runs(self, limit: int = 10) -> list[dict]:
-        return list(self.db.query("select * from run_summary limit ?", [limit]))
-
     # documents
 
     def is_done(self, doc_key: str) -> bool:
@@ -282,12 +279,6 @@ class Store:
         with self.db.conn:
             self.db["documents"].update(document_row, {"rouge_l_vs_full": value})
 
-    def document_rows(self, document_id: str) -> list[dict]:
-        return list(self.db.query("select * from documents where document_id = ? order by id", [document_id]))
-
-    def layer_rows(self, document_row: int) -> list[dict]:
-        return list(self.db.query("select * from layer_stats where document_row = ? order by layer", [document_row]))
-
 
 def read_only_query(path: str | os.PathLike, sql: str, params=()) -> tuple[list[str], list[tuple]]:
     """Run SQL on a store opened read-only; any write raises ``sqlite3.OperationalError``."""
@@ -302,3 +293,29 @@ def read_only_query(path: str | os.PathLike, sql: str, params=()) -> tuple[list[
         return columns, cursor.fetchall()
     finally:
         conn.close()
+
+
+def recent_runs(path, limit: int = 10):
+    """``(columns, rows)`` of the latest runs, newest first."""
+    return read_only_query(path, "select * from run_summary limit ?", [limit])
+
+
+def document_variants(path, document_id: str):
+    """``(columns, rows)``: one document's rows, one per variant."""
+    return read_only_query(
+        path,
+        "select id, variant, status, error, prompt_tokens, output_tokens, compression_ratio, "
+        "rouge_l_vs_full, output from documents where document_id = ? order by id",
+        [document_id],
+    )
+
+
+def document_layers(path, document_row: int):
+    """``(columns, rows)``: the per-layer accounting of one stored document row."""
+    return read_only_query(
+        path,
+        "select layer, layer_budget, tokens_seen, tokens_kept, kept_bytes, full_seq_bytes, "
+        "round(compression_ratio, 2) as compression_ratio, round(concentration, 3) as concentration "
+        "from layer_stats where document_row = ? order by layer",
+        [document_row],
+    )
