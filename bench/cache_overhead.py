@@ -43,7 +43,7 @@ def main(argv=None):
     parser.add_argument(
         "--policies",
         nargs="+",
-        default=[p for p in POLICIES if p != "full"] + ["pyramidkv:continuous", "squeeze:continuous"],
+        default=[p for p in POLICIES if p != "full"] + ["pyramidkv:continuous"],
         help="policy names; NAME:continuous evicts by H2O mass after every chunk",
     )
     parser.add_argument("--scorings", nargs="+", default=["key_proxy", "observed"])
