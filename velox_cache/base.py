@@ -174,7 +174,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
     @property
     def state(self):
         arrays = [self.keys, self.values, self.scores, self.positions]
-        arrays += [self._window_queries, self._entropy_sum]
+        arrays += [self._window_queries, self._window_positions, self._entropy_sum]
         return [a for a in arrays if a is not None]
 
     @state.setter
