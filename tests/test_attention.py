@@ -1,0 +1,31 @@
+"""The attention arithmetic behind scoring: pooling and window selection."""
+
+import mlx.core as mx
+
+from velox_cache import KVCacheConfig, KVCacheFactory
+from velox_cache.attention import max_pool
+
+
+def test_max_pool_spreads_a_peak_over_its_kernel():
+    scores = mx.array([[0.0, 0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 1.0]])
+    assert max_pool(scores, 3).tolist() == [[0.0, 0.0, 5.0, 5.0, 5.0, 0.0, 1.0, 1.0]]
+    assert max_pool(scores, 1).tolist() == scores.tolist()
+
+
+def test_window_selection_keeps_the_neighbours_of_what_the_question_attends_to():
+    mx.random.seed(0)
+    dim, length, needle = 16, 120, 60
+    keys = mx.random.normal((1, 1, length, dim)) * 0.1
+    target = mx.ones((dim,)) * 2.0
+    keys[0, 0, needle] = target
+    config = KVCacheConfig(method="snapkv", budget=20, n_sink=2, recent=0, window=4, kernel=7, scoring="observed")
+    cache = KVCacheFactory.create(config)
+    out_keys, out_values = cache.update_and_fetch(keys, keys)
+    queries = mx.broadcast_to(target, (1, 1, length, dim))  # every query looks for the needle
+    cache.observe_attention(queries, out_keys, out_values, dim**-0.5, "causal")
+    step = mx.zeros((1, 1, 1, dim))
+    out_keys, out_values = cache.update_and_fetch(step, step)  # first decode step ends prefill
+    cache.observe_attention(step, out_keys, out_values, dim**-0.5, None)
+    kept = set(cache.positions[0, 0, : cache.tokens_kept].tolist())
+    assert set(range(needle - 3, needle + 4)) <= kept, "the pooled neighbourhood survives together"
+    assert {0, 1} <= kept and cache.tokens_kept == 20
