@@ -110,7 +110,8 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         n_new = keys.shape[2]
         if self.keys is None:
             self._start(keys, values)
-        keys, values = keys.astype(self.keys.dtype), values.astype(self.values.dtype)
+        if keys.dtype != self.keys.dtype or values.dtype != self.values.dtype:
+            keys, values = keys.astype(self.keys.dtype), values.astype(self.values.dtype)
         if n_new == 1 and self._prefilling and self.offset > 0:
             self._end_prefill()
         if n_new == 1 and self._evicting_now():
