@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 
 from . import model_store, platform
 
@@ -20,13 +19,6 @@ class Report:
 
     def add(self, name: str, value: str) -> None:
         self.facts.append((name, value))
-
-
-def _version(package: str) -> str:
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "not installed"
 
 
 def _gemm_in_subprocess(preload: str | None) -> str:
@@ -48,8 +40,8 @@ def diagnose() -> Report:
     import mlx.core as mx
 
     report = Report()
-    report.add("mlx", _version("mlx"))
-    report.add("mlx-lm", _version("mlx-lm"))
+    report.add("mlx", platform.package_version("mlx"))
+    report.add("mlx-lm", platform.package_version("mlx-lm"))
     backend = platform.backend_name()
     report.add("device", f"{mx.default_device()} ({backend} backend)")
     report.add("weights on this backend", model_store.weights_mode())

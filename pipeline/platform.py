@@ -13,6 +13,7 @@ import glob
 import os
 import sys
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 OPENBLAS_PATTERNS = (
@@ -22,6 +23,14 @@ OPENBLAS_PATTERNS = (
     "/usr/lib64/openblas*/libblas.so.3",
 )
 REEXEC_FLAG = "VELOX_BLAS_REEXEC"
+
+
+def package_version(package: str) -> str:
+    """The installed version of ``package``, or ``not installed``."""
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def backend_name() -> str:

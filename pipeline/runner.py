@@ -15,12 +15,11 @@ import json
 import socket
 import sys
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from typing import Callable, Optional
 
 from . import model_store
 from .generation import generate
-from .platform import loaded_blas
+from .platform import loaded_blas, package_version
 from .prompting import PromptTooLong, build_prompt
 from .similarity import rouge_l
 from .source import count_documents, iter_documents, open_dataset
@@ -47,13 +46,6 @@ class RunSummary:
     @property
     def exit_status(self) -> int:
         return EXIT_DOCUMENT_FAILED if self.counts.get("documents_failed") else EXIT_OK
-
-
-def _version(package: str) -> str:
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def _doc_key(document_id: str, content_hash: str, settings_hash: str, variant: Variant) -> str:
@@ -127,9 +119,9 @@ def _run_locked(spec, store, dataset, force, quiet, load_model, progress_stream)
             "spec": json.dumps(spec.as_dict(), default=str),
             "spec_hash": spec.settings_hash(),
             "model": spec.model,
-            "velox_version": _version("velox"),
-            "mlx_version": _version("mlx"),
-            "mlx_lm_version": _version("mlx-lm"),
+            "velox_version": package_version("velox"),
+            "mlx_version": package_version("mlx"),
+            "mlx_lm_version": package_version("mlx-lm"),
             "device": f"{mx.default_device()} ({model_store.backend_name()}; BLAS: {loaded_blas()})",
             "host": socket.gethostname(),
             "documents_total": total * len(spec.variants),
