@@ -43,9 +43,10 @@ GROWTH_STEP = 256  # buffer growth granularity, as mlx-lm's KVCache
 
 @dataclass(frozen=True)
 class _ProbeMark:
-    """What a probe must give back: slots, offset and tokens seen before it ran."""
+    """What a probe must give back: slots, buffer size, offset and tokens seen before it ran."""
 
     stored: int
+    capacity: int
     offset: int
     tokens_seen: int
 
@@ -176,7 +177,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
             raise ValueError("phase: a probe runs during prefill, not after decoding started")
         if self._probe is not None:
             raise ValueError("phase: a probe is already running; end it first")
-        self._probe = _ProbeMark(self.slots.stored, self.offset, self._tokens_seen)
+        self._probe = _ProbeMark(self.slots.stored, self.slots.capacity, self.offset, self._tokens_seen)
         self._probe_scores = None
 
     def end_probe(self) -> None:
@@ -187,7 +188,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         self._probe = None
         self._awaiting_observation = False
         if not self.slots.empty:
-            self.slots.truncate(mark.stored)
+            self.slots.truncate(mark.stored, mark.capacity)
         self.offset, self._tokens_seen = mark.offset, mark.tokens_seen
         scores, self._probe_scores = self._probe_scores, None
         if scores is not None and self.timing.uses_probes:

@@ -115,12 +115,21 @@ class TokenSlots:
         self.scores = mx.put_along_axis(self.scores, slot, mx.array(0.0), axis=-1)
         self.positions = mx.put_along_axis(self.positions, slot, mx.array(position, mx.int32), axis=-1)
 
-    def truncate(self, stored: int) -> None:
-        """Drop every slot from ``stored`` on (spare room included): arrays sized to what is kept."""
-        self.keys = self.keys[:, :, :stored]
-        self.values = self.values[:, :, :stored]
-        self.scores = self.scores[..., :stored]
-        self.positions = self.positions[..., :stored]
+    def truncate(self, stored: int, capacity: int) -> None:
+        """Back to ``stored`` valid slots in a buffer of ``capacity``: later slots are dropped, spare ones zeroed.
+
+        Spare slots are always zeros otherwise, so this restores the buffers a
+        probe found, exactly.
+        """
+        self.keys = self.keys[:, :, :capacity]
+        self.values = self.values[:, :, :capacity]
+        self.scores = self.scores[..., :capacity]
+        self.positions = self.positions[..., :capacity]
+        if capacity > stored:
+            self.keys[:, :, stored:] = 0
+            self.values[:, :, stored:] = 0
+            self.scores[..., stored:] = 0
+            self.positions[..., stored:] = 0
         self.stored = stored
 
     def rerotate(self, shift, new_positions: mx.array) -> None:
