@@ -1,4 +1,10 @@
-"""One document through one cache variant: fresh cache stack, chunked prefill, decode."""
+"""One document through one cache variant: fresh cache stack, prefill by phases, decode.
+
+The prompt's prefix and document are prefilled in chunks of
+``prefill_step_size``, then its instruction; the caches are told each phase
+(``velox_cache.prefill_phases``). Streaming variants also run the instruction
+as a probe after every document chunk but the last.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,9 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
 import velox_cache
-from velox_cache import KVCacheBuilder, KVCacheConfig
+from velox_cache import KVCacheBuilder, KVCacheConfig, prefill_phases
 
+from .prompting import Prompt
 from .spec import GenerationSpec
 
 
@@ -46,9 +53,12 @@ def _observation(model, config: KVCacheConfig):
     return contextlib.nullcontext()
 
 
-def generate(model, tokenizer, prompt_tokens: list[int], config: KVCacheConfig, settings: GenerationSpec) -> GenerationResult:
-    """Generate for one prompt with a freshly built cache stack (and coordinator)."""
-    caches = KVCacheBuilder.for_model(model, config)
+def generate(model, tokenizer, prompt, config: KVCacheConfig, settings: GenerationSpec) -> GenerationResult:
+    """Generate for one prompt (a ``Prompt``, or token ids: all document) with a fresh cache stack."""
+    if not isinstance(prompt, Prompt):
+        prompt = Prompt(list(prompt))
+    prompt_tokens = prompt.tokens
+    caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(prompt_tokens))
     sampler = make_sampler(temp=settings.temperature, top_p=settings.top_p)
     eos = set(tokenizer.eos_token_ids)
     mx.random.seed(settings.seed)
@@ -57,7 +67,16 @@ def generate(model, tokenizer, prompt_tokens: list[int], config: KVCacheConfig, 
     generated: list[int] = []
     with _observation(model, config):
         start = time.perf_counter()
-        token = _sample(prefill(model, prompt_tokens, caches, settings.prefill_step_size), sampler)
+        logits = prefill_phases(
+            model,
+            caches,
+            prefix=prompt.prefix,
+            document=prompt.document,
+            instruction=prompt.instruction,
+            chunk_size=settings.prefill_step_size,
+            max_new_tokens=settings.max_tokens,
+        )
+        token = _sample(logits, sampler)
         prefill_seconds = time.perf_counter() - start
         start = time.perf_counter()
         stop_reason = "max_tokens"
@@ -85,8 +104,9 @@ def generate(model, tokenizer, prompt_tokens: list[int], config: KVCacheConfig, 
 def prefill(model, prompt_tokens, caches, step: int) -> mx.array:
     """Run the prompt through ``model`` in chunks of ``step`` tokens; returns the last logits ``[1, V]``.
 
-    Like ``mlx_lm.generate_step``: all but the last token in chunks (evaluating
-    the cache state after each), then the last token alone, which ends prefill.
+    Exactly like ``mlx_lm.generate_step``, phases not told: all but the last
+    token in chunks (evaluating the cache state after each), then the last
+    token alone, which ends prefill (the caches' fallback inference).
     """
     prompt = mx.array(prompt_tokens)
     for begin in range(0, prompt.size - 1, step):

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from . import model_store
+from velox_cache import model_context
+
 from .generation import generate
 from .platform import loaded_blas, package_version
 from .prompting import PromptTooLong, build_prompt
@@ -66,6 +68,15 @@ class Progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, unit="doc", file=self.stream)
+
+    def note(self, message: str) -> None:
+        """One line for the operator (not shown when quiet)."""
+        if self.quiet:
+            return
+        if self.bar is not None:
+            self.bar.write(f"note: {message}", file=self.stream)
+        else:
+            print(f"note: {message}", file=self.stream, flush=True)
 
     def document_done(self, document_id: str, outcomes: list[str], tokens_per_second: Optional[float]) -> None:
         self.count += 1
@@ -136,6 +147,11 @@ def _run_locked(spec, store, dataset, force, quiet, load_model, progress_stream)
     settings_hash = spec.settings_hash()
     variants = sorted(spec.variants, key=lambda v: v.cache.method != "full")  # full first
     progress = Progress(total, quiet, progress_stream)
+    if spec.input.prompt_column and any(_streams(v.cache) for v in variants):
+        progress.note(
+            "input.prompt_column: a ready prompt has no instruction to probe with; streaming variants "
+            "rank each chunk by its own last queries (SnapKV per chunk)"
+        )
     status = "interrupted"
     try:
         for index, document in enumerate(iter_documents(spec, dataset)):
@@ -157,6 +173,11 @@ def _run_locked(spec, store, dataset, force, quiet, load_model, progress_stream)
     return RunSummary(run_id, str(spec.output.db), counts)
 
 
+def _streams(config) -> bool:
+    """True for variants that read documents in bounded memory, past the model's context."""
+    return config.method != "full" and config.eviction == "streaming"
+
+
 def _process(spec, store, run_id, model, tokenizer, document, variant, settings_hash, force):
     """One document × variant; returns (outcome, decode tokens/s or None)."""
     config = variant.cache
@@ -171,7 +192,7 @@ def _process(spec, store, run_id, model, tokenizer, document, variant, settings_
         "settings_hash": settings_hash,
         "variant": variant.name,
         "method": config.method,
-        "budget": None if config.method == "full" else config.budget,
+        "budget": None if config.method == "full" or config.budget_fraction is not None else config.budget,
         "scoring": None if config.method == "full" else config.scoring,
     }
     if document.error:
@@ -185,8 +206,19 @@ def _process(spec, store, run_id, model, tokenizer, document, variant, settings_
             return "skipped", None
         store.save_document({**row, "status": "error", "error": str(exc)}, [])
         return "failed", None
+    if config.method != "full":
+        row["budget"] = config.resolved_for(len(prompt.tokens)).budget
+    context = model_context(model)
+    needed = len(prompt.tokens) + spec.generation.max_tokens
+    if context and needed > context and not _streams(config):
+        reason = (
+            f"prompt of {len(prompt.tokens)} tokens + max_tokens {spec.generation.max_tokens} exceeds the model's "
+            f"context of {context} tokens; only streaming variants (eviction: streaming) read it"
+        )
+        store.save_document({**row, "status": "skipped", "error": reason, "prompt_tokens": len(prompt.tokens)}, [])
+        return "skipped", None
     try:
-        result = generate(model, tokenizer, prompt.tokens, config, spec.generation)
+        result = generate(model, tokenizer, prompt, config, spec.generation)
     except Exception as exc:  # one bad document must not stop the night's run
         store.save_document({**row, "status": "error", "error": f"{type(exc).__name__}: {exc}", "prompt_tokens": len(prompt.tokens)}, [])
         return "failed", None
