@@ -89,24 +89,33 @@ def build_report(db, *, run_id: Optional[int] = None) -> Report:
     if compressed:
         page.section(
             "Per-layer budgets",
-            page.chart("chart-layer-budgets", lambda: _layer_chart(layers, colours)),
+            page.chart("chart-layer-budgets", lambda: _layer_chart(layers, colours))
+            if layers
+            else _message(f"Run {run_id} stored no per-layer rows for its compressed variants."),
             page.chart("chart-concentration", lambda: _concentration_chart(layers, colours))
             if any(row["method"] == "squeeze" for row in layers)
             else _message("No squeeze variant in this run: per-layer concentration is measured by squeeze only."),
         )
         page.section(
             "Memory and fidelity",
-            page.chart("chart-bytes", lambda: _bytes_chart(variants, colours)),
-            page.chart("chart-fidelity", lambda: _fidelity_chart(documents, fidelity, colours))
-            if any(d["fidelity"] is not None for d in documents)
-            else _message("No compressed document has a fidelity value yet (its full-cache output is missing)."),
+            _side_by_side(
+                page.chart("chart-bytes", lambda: _bytes_chart(variants, colours)),
+                page.chart("chart-fidelity", lambda: _fidelity_chart(documents, fidelity, colours))
+                if _scored(documents)
+                else _message("No compressed document has a fidelity value yet (its full-cache output is missing)."),
+            ),
         )
     if variants:
-        page.section("Speed", page.chart("chart-prefill", lambda: _prefill_chart(documents, colours)))
+        page.section(
+            "Speed",
+            page.chart("chart-prefill", lambda: _prefill_chart(documents, colours))
+            if _timed(documents)
+            else _message(f"Run {run_id} stored no prefill timings."),
+        )
     if history:
         page.section(
             "Across runs",
-            page.chart("chart-history", lambda: _history_chart(history, fidelity, colours)),
+            page.chart("chart-history", lambda: _history_chart(history, fidelity, colours, run_id)),
             _details(f"Per run and variant ({len(history)} rows)", _history_table(history, fidelity)),
         )
     page.section(
@@ -129,6 +138,8 @@ table { border-collapse: collapse; margin: 0.5rem 0; font-size: 0.9rem; }
 th, td { border: 1px solid #ddd; padding: 0.25rem 0.6rem; text-align: left; vertical-align: top; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 figure { margin: 1rem 0; } figure svg { max-width: 100%; height: auto; }
+.charts { display: flex; flex-wrap: wrap; gap: 1rem; align-items: flex-start; }
+.charts figure { flex: 1 1 460px; margin: 0.5rem 0; }
 .notice { background: #fff6d6; border: 1px solid #e8d27c; padding: 0.6rem 0.9rem; }
 .meta { color: #555; }
 """
@@ -177,6 +188,10 @@ def _message(text: str) -> str:
     return f'<p class="notice">{html.escape(text)}</p>'
 
 
+def _side_by_side(*fragments: str) -> str:
+    return f'<div class="charts">{"".join(fragments)}</div>'
+
+
 def _details(summary: str, content: str) -> str:
     return f"<details><summary>{html.escape(summary)}</summary>{content}</details>"
 
@@ -203,23 +218,27 @@ def _run_header(run: dict, later: list[int], fidelity: str) -> str:
 # ----- tables ---------------------------------------------------------------------------------
 
 
-def _table(table_id: str, columns: list[tuple[str, str]], rows: list[dict]) -> str:
-    """``columns``: (key, header); numbers get right-aligned cells."""
-    head = "".join(f"<th>{html.escape(header)}</th>" for _, header in columns)
-    body = []
-    for row in rows:
-        cells = []
-        for key, _ in columns:
-            value = row[key]
-            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-            text = MISSING if value is None else str(value)
-            cells.append(f'<td class="num">{html.escape(text)}</td>' if numeric else f"<td>{html.escape(text)}</td>")
-        body.append(f"<tr>{''.join(cells)}</tr>")
-    return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+@dataclass(frozen=True)
+class _Column:
+    key: str
+    header: str
+    digits: Optional[int] = None  # decimals for a float column; None: shown as stored
+    scale: float = 1.0  # shown value = stored value / scale
 
 
-def _rounded(value, digits: int):
-    return None if value is None else round(value, digits)
+def _cell(value, column: _Column) -> str:
+    if value is None:
+        return f"<td>{MISSING}</td>"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        text = f"{value / column.scale:.{column.digits}f}" if column.digits is not None else str(value)
+        return f'<td class="num">{text}</td>'
+    return f"<td>{html.escape(str(value))}</td>"
+
+
+def _table(table_id: str, columns: list[_Column], rows: list[dict]) -> str:
+    head = "".join(f"<th>{html.escape(column.header)}</th>" for column in columns)
+    body = "".join(f"<tr>{''.join(_cell(row[c.key], c) for c in columns)}</tr>" for row in rows)
+    return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
 def _byte_unit(values) -> tuple[str, int]:
@@ -232,84 +251,54 @@ def _byte_unit(values) -> tuple[str, int]:
 
 def _variant_table(variants: list[dict], fidelity: str) -> str:
     unit, size = _byte_unit([v["mean_full_seq_bytes"] for v in variants] + [v["mean_kept_bytes"] for v in variants])
-    rows = [
-        {
-            **v,
-            "kept": _rounded(v["mean_kept_bytes"] / size if v["mean_kept_bytes"] is not None else None, 2),
-            "full": _rounded(v["mean_full_seq_bytes"] / size if v["mean_full_seq_bytes"] is not None else None, 2),
-            "ratio": _rounded(v["mean_compression_ratio"], 2),
-            "fidelity": _rounded(v["mean_fidelity"], 3),
-            "prefill": _rounded(v["mean_prefill_tps"], 1),
-            "decode": _rounded(v["mean_decode_tps"], 1),
-        }
-        for v in variants
-    ]
     columns = [
-        ("variant", "variant"),
-        ("method", "method"),
-        ("budget", "budget (tokens)"),
-        ("documents", "documents"),
-        ("kept", f"mean kept ({unit})"),
-        ("full", f"mean full sequence ({unit})"),
-        ("ratio", "mean compression ratio (×)"),
-        ("fidelity", f"mean {FIDELITY_SHORT[fidelity]}"),
-        ("prefill", "mean prefill (tokens/s)"),
-        ("decode", "mean decode (tokens/s)"),
+        _Column("variant", "variant"),
+        _Column("method", "method"),
+        _Column("budget", "budget (tokens)"),
+        _Column("documents", "documents"),
+        _Column("mean_kept_bytes", f"mean kept ({unit})", 2, size),
+        _Column("mean_full_seq_bytes", f"mean full sequence ({unit})", 2, size),
+        _Column("mean_compression_ratio", "mean compression ratio (×)", 2),
+        _Column("mean_fidelity", f"mean {FIDELITY_SHORT[fidelity]}", 3),
+        _Column("mean_prefill_tps", "mean prefill (tokens/s)", 1),
+        _Column("mean_decode_tps", "mean decode (tokens/s)", 1),
     ]
-    return _table("variant-summary", columns, rows)
+    return _table("variant-summary", columns, variants)
 
 
 def _document_table(documents: list[dict], fidelity: str) -> str:
-    rows = [
-        {
-            **d,
-            "ratio": _rounded(d["compression_ratio"], 2),
-            "fidelity": _rounded(d["fidelity"], 3),
-            "prefill": _rounded(d["prefill_tokens_per_second"], 1),
-            "decode": _rounded(d["decode_tokens_per_second"], 1),
-        }
-        for d in documents
-    ]
     columns = [
-        ("document_id", "document"),
-        ("variant", "variant"),
-        ("prompt_tokens", "prompt tokens"),
-        ("output_tokens", "output tokens"),
-        ("kept_bytes", "kept bytes"),
-        ("full_seq_bytes", "full sequence bytes"),
-        ("ratio", "compression ratio (×)"),
-        ("fidelity", FIDELITY_SHORT[fidelity]),
-        ("prefill", "prefill (tokens/s)"),
-        ("decode", "decode (tokens/s)"),
+        _Column("document_id", "document"),
+        _Column("variant", "variant"),
+        _Column("prompt_tokens", "prompt tokens"),
+        _Column("output_tokens", "output tokens"),
+        _Column("kept_bytes", "kept bytes"),
+        _Column("full_seq_bytes", "full sequence bytes"),
+        _Column("compression_ratio", "compression ratio (×)", 2),
+        _Column("fidelity", FIDELITY_SHORT[fidelity], 3),
+        _Column("prefill_tokens_per_second", "prefill (tokens/s)", 1),
+        _Column("decode_tokens_per_second", "decode (tokens/s)", 1),
     ]
-    return _table("document-table", columns, rows)
+    return _table("document-table", columns, documents)
 
 
 def _problem_table(problems: list[dict]) -> str:
-    columns = [("document_id", "document"), ("status", "status"), ("variants", "variants"), ("error", "reason")]
+    columns = [_Column("document_id", "document"), _Column("status", "status"), _Column("variants", "variants"),
+               _Column("error", "reason")]
     return _table("problem-table", columns, problems)
 
 
 def _history_table(history: list[dict], fidelity: str) -> str:
-    rows = [
-        {
-            **h,
-            "prefill": _rounded(h["mean_prefill_tps"], 1),
-            "decode": _rounded(h["mean_decode_tps"], 1),
-            "fidelity": _rounded(h["mean_fidelity"], 3),
-        }
-        for h in history
-    ]
     columns = [
-        ("run_id", "run"),
-        ("started_at", "started"),
-        ("variant", "variant"),
-        ("documents", "documents"),
-        ("prefill", "mean prefill (tokens/s)"),
-        ("decode", "mean decode (tokens/s)"),
-        ("fidelity", f"mean {FIDELITY_SHORT[fidelity]}"),
+        _Column("run_id", "run"),
+        _Column("started_at", "started"),
+        _Column("variant", "variant"),
+        _Column("documents", "documents"),
+        _Column("mean_prefill_tps", "mean prefill (tokens/s)", 1),
+        _Column("mean_decode_tps", "mean decode (tokens/s)", 1),
+        _Column("mean_fidelity", f"mean {FIDELITY_SHORT[fidelity]}", 3),
     ]
-    return _table("history-table", columns, rows)
+    return _table("history-table", columns, history)
 
 
 # ----- charts ---------------------------------------------------------------------------------
@@ -362,6 +351,14 @@ def _by_variant(rows: list[dict]) -> dict[str, list[dict]]:
     for row in rows:
         grouped.setdefault(row["variant"], []).append(row)
     return grouped
+
+
+def _scored(documents: list[dict]) -> list[dict]:
+    return [d for d in documents if d["method"] != "full" and d["fidelity"] is not None and d["compression_ratio"]]
+
+
+def _timed(documents: list[dict]) -> list[dict]:
+    return [d for d in documents if d["prefill_tokens_per_second"] and d["prompt_tokens"]]
 
 
 def _layer_chart(layers: list[dict], colours: dict):
@@ -422,7 +419,7 @@ def _bytes_chart(variants: list[dict], colours: dict):
                 ha="center", va="bottom", fontsize=8,
             )
     ax.set_xticks(list(x), names)
-    ax.set_title("KV-cache bytes per document: kept vs full (mean; label = compression ratio)")
+    ax.set_title("KV-cache bytes per document, kept vs full (label: ratio)")
     ax.set_xlabel("variant")
     ax.set_ylabel(f"bytes per document ({unit})")
     ax.grid(axis="y", alpha=0.3)
@@ -432,8 +429,7 @@ def _bytes_chart(variants: list[dict], colours: dict):
 
 def _fidelity_chart(documents: list[dict], fidelity: str, colours: dict):
     figure, (ax,) = _new_figure(6.5, 3.6)
-    scored = [d for d in documents if d["method"] != "full" and d["fidelity"] is not None]
-    for variant, points in _by_variant(scored).items():
+    for variant, points in _by_variant(_scored(documents)).items():
         ax.scatter(
             [p["compression_ratio"] for p in points], [p["fidelity"] for p in points],
             s=18, alpha=0.8, color=colours[variant], label=f"{variant} ({len(points)} documents)",
@@ -449,8 +445,7 @@ def _fidelity_chart(documents: list[dict], fidelity: str, colours: dict):
 
 def _prefill_chart(documents: list[dict], colours: dict):
     figure, (ax,) = _new_figure(6.5, 3.6)
-    for variant, points in _by_variant([d for d in documents if d["prefill_tokens_per_second"]]).items():
-        points = sorted(points, key=lambda p: p["prompt_tokens"] or 0)
+    for variant, points in _by_variant(_timed(documents)).items():
         ax.plot(
             [p["prompt_tokens"] for p in points], [p["prefill_tokens_per_second"] for p in points], "o",
             markersize=4, alpha=0.8, color=colours[variant], label=variant,
@@ -464,11 +459,11 @@ def _prefill_chart(documents: list[dict], colours: dict):
     return figure
 
 
-def _history_chart(history: list[dict], fidelity: str, colours: dict):
+def _history_chart(history: list[dict], fidelity: str, colours: dict, shown_run: int):
     run_ids = sorted({h["run_id"] for h in history})
     position = {run_id: i for i, run_id in enumerate(run_ids)}
     started = {h["run_id"]: (h["started_at"] or "")[:10] for h in history}
-    figure, axes = _new_figure(max(6.5, 0.5 * len(run_ids)), 7.2, rows=3, sharex=True)
+    figure, axes = _new_figure(min(max(6.5, 0.5 * len(run_ids)), 14), 7.2, rows=3, sharex=True)
     panels = [
         ("mean_prefill_tps", "prefill (tokens/s)", "Mean prefill speed"),
         ("mean_decode_tps", "decode (tokens/s)", "Mean decode speed"),
@@ -482,13 +477,17 @@ def _history_chart(history: list[dict], fidelity: str, colours: dict):
                     [position[p["run_id"]] for p in points], [p[key] for p in points], "-o",
                     markersize=4, color=colours[variant], label=variant,
                 )
+        if shown_run in position:
+            ax.axvline(position[shown_run], color="#999", linestyle=":", label=f"run {shown_run} (this page)")
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     axes[2].set_ylim(-0.02, 1.05)
-    axes[2].set_xticks(range(len(run_ids)), [f"{r}\n{started[r]}" for r in run_ids], fontsize=8)
+    step = math.ceil(len(run_ids) / 20)  # at most about 20 labelled runs
+    shown = run_ids[::step]
+    axes[2].set_xticks([position[r] for r in shown], [f"{r}\n{started[r]}" for r in shown], fontsize=8)
     axes[2].set_xlabel("run (id and start date, UTC)")
     figure.suptitle("Across runs of this job: speed and fidelity per run (mean over its documents)")
     return figure

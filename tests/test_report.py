@@ -228,7 +228,7 @@ def test_agreement_is_the_fidelity_once_the_store_has_it(store_path, tmp_path):
     conn.close()
     page = Page(build_report(copy).html)
     records = {r["variant"]: r for r in page.records("variant-summary")}
-    assert records["pyramid"]["mean agreement"] == "0.75" and records["full"]["mean agreement"] == "–"
+    assert records["pyramid"]["mean agreement"] == "0.750" and records["full"]["mean agreement"] == "–"
     assert "agreement" in " ".join(page.figures["chart-fidelity"]["text"])
 
 
