@@ -55,12 +55,13 @@ def write_report(db, output, *, run_id: Optional[int] = None) -> Report:
 def build_report(db, *, run_id: Optional[int] = None) -> Report:
     """The HTML report of one run of the store at ``db``; raises ``FileNotFoundError`` or ``ReportError``."""
     page = _Page(title="Velox report")
+    no_runs = f"The store {db} has no runs yet. Run a job first: velox-batch run jobs/summarize.yaml"
     if not store.has_runs_table(db):
-        return page.only_message(f"The store {db} has no runs yet. Run a job first: velox-batch run jobs/summarize.yaml")
+        return page.only_message(no_runs)
     ids = store.report_run_ids(db)
     if run_id is None:
         if ids["latest"] is None:
-            return page.only_message(f"The store {db} has no runs yet. Run a job first: velox-batch run jobs/summarize.yaml")
+            return page.only_message(no_runs)
         run_id = ids["latest_with_rows"] if ids["latest_with_rows"] is not None else ids["latest"]
     run = store.report_run(db, run_id)
     if run is None:
@@ -82,7 +83,7 @@ def build_report(db, *, run_id: Optional[int] = None) -> Report:
     if variants and not compressed:
         page.notice(
             f"Run {run_id} has no compressed variants (only {', '.join(v['variant'] for v in variants)}), "
-            "so there is no compression to chart: the budget, bytes and fidelity sections are empty."
+            "so there is no compression to show: per-layer budgets, bytes kept and fidelity are left out."
         )
     if variants:
         page.section("Variants", _variant_table(variants, fidelity))
@@ -123,9 +124,8 @@ def build_report(db, *, run_id: Optional[int] = None) -> Report:
         _problem_table(problems) if problems else _message(f"None: no document of run {run_id} failed or was skipped."),
     )
     if documents:
-        page.section(
-            "Documents", _details(f"Every finished document × variant ({len(documents)} rows)", _document_table(documents, fidelity))
-        )
+        summary = f"Every finished document × variant ({len(documents)} rows)"
+        page.section("Documents", _details(summary, _document_table(documents, fidelity)))
     return page.render()
 
 
@@ -404,14 +404,15 @@ def _concentration_chart(layers: list[dict], colours: dict):
 
 
 def _bytes_chart(variants: list[dict], colours: dict):
-    unit, size = _byte_unit([v["mean_full_seq_bytes"] for v in variants])
+    unit, size = _byte_unit([v["mean_full_seq_bytes"] for v in variants] + [v["mean_kept_bytes"] for v in variants])
     figure, (ax,) = _new_figure(6.5, 3.4)
     names = [v["variant"] for v in variants]
     x = range(len(variants))
     full = [(v["mean_full_seq_bytes"] or 0) / size for v in variants]
     kept = [(v["mean_kept_bytes"] or 0) / size for v in variants]
     ax.bar([i - 0.2 for i in x], full, width=0.4, color="#bbbbbb", label="full sequence (every token seen)")
-    bars = ax.bar([i + 0.2 for i in x], kept, width=0.4, color=[colours[n] for n in names], label="kept (held in the cache)")
+    colour = [colours[n] for n in names]
+    bars = ax.bar([i + 0.2 for i in x], kept, width=0.4, color=colour, label="kept (held in the cache)")
     for bar, variant in zip(bars, variants):
         if variant["mean_compression_ratio"]:
             ax.annotate(
@@ -467,7 +468,7 @@ def _history_chart(history: list[dict], fidelity: str, colours: dict, shown_run:
     panels = [
         ("mean_prefill_tps", "prefill (tokens/s)", "Mean prefill speed"),
         ("mean_decode_tps", "decode (tokens/s)", "Mean decode speed"),
-        ("mean_fidelity", f"{FIDELITY_SHORT[fidelity]} (0–1)", f"Mean fidelity to the full cache ({FIDELITY_SHORT[fidelity]})"),
+        ("mean_fidelity", f"{FIDELITY_SHORT[fidelity]} (0–1)", f"Mean fidelity to full ({FIDELITY_SHORT[fidelity]})"),
     ]
     for ax, (key, ylabel, title) in zip(axes, panels):
         for variant, points in _by_variant(history).items():

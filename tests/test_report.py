@@ -17,7 +17,9 @@ from pipeline.runner import run_job
 from pipeline.spec import load_spec
 from pipeline.store import Store
 
-CHARTS = ["chart-layer-budgets", "chart-concentration", "chart-bytes", "chart-fidelity", "chart-prefill", "chart-history"]
+CHARTS = [
+    "chart-layer-budgets", "chart-concentration", "chart-bytes", "chart-fidelity", "chart-prefill", "chart-history",
+]
 VOID = {"meta", "br", "hr", "img", "input", "link", "col", "area", "base", "wbr", "source"}
 
 
@@ -53,7 +55,8 @@ class Page(HTMLParser):
         elif tag in ("td", "th"):
             self._cell = []
         elif tag == "figure":
-            self._figure = self.figures.setdefault(attrs["id"], {"label": attrs.get("aria-label"), "text": [], "ids": []})
+            figure = {"label": attrs.get("aria-label"), "text": [], "ids": []}
+            self._figure = self.figures.setdefault(attrs["id"], figure)
 
     def handle_endtag(self, tag):
         assert self.stack and self.stack[-1] == tag, f"</{tag}> closes <{self.stack[-1] if self.stack else None}>"
@@ -154,10 +157,12 @@ def test_variant_table_equals_the_store(store_path):
     expected = query(
         store_path,
         "select variant, count(*), avg(compression_ratio), avg(rouge_l_vs_full), avg(prefill_tokens_per_second), "
-        "avg(decode_tokens_per_second), avg(kept_bytes) from documents where run_id = 2 and status = 'done' group by variant",
+        "avg(decode_tokens_per_second), avg(kept_bytes) from documents "
+        "where run_id = 2 and status = 'done' group by variant",
     )
     assert set(records) == {"full", "pyramid", "squeeze"} == {row[0] for row in expected}
-    unit = next(h for h in page.tables["variant-summary"]["header"] if h.startswith("mean kept"))[len("mean kept (") : -1]
+    header = next(h for h in page.tables["variant-summary"]["header"] if h.startswith("mean kept ("))
+    unit = header[len("mean kept (") : -1]
     size = {"B": 1, "KiB": 2**10, "MiB": 2**20}[unit]
     for variant, documents, ratio, rouge, prefill, decode, kept in expected:
         record = records[variant]
@@ -191,7 +196,9 @@ def test_document_and_problem_tables_equal_the_store(store_path):
         ("empty", "error", "full, pyramid, squeeze"),
         ("long", "skipped", "full, pyramid, squeeze"),
     ]
-    errors = dict(query(store_path, "select document_id, error from documents where status != 'done' and variant = 'full'"))
+    errors = dict(
+        query(store_path, "select document_id, error from documents where status != 'done' and variant = 'full'")
+    )
     assert {p["document"]: p["reason"] for p in problems} == errors
 
 
