@@ -286,3 +286,18 @@ def test_help_ends_with_an_example():
     example = lines.index("Example:")
     assert lines[example + 1] == "velox-batch report --db data/velox.db -o report.html"
     assert lines[example + 2] == "Options:" or lines[example + 2] == ""
+
+
+def test_problems_taken_over_by_a_later_run_are_explained(tmp_path):
+    db = Store(tmp_path / "store.db")
+    row = {"doc_key": "k", "document_id": "long", "variant": "full", "method": "full", "status": "skipped",
+           "error": "prompt has 900 tokens"}
+    for _ in range(2):
+        run_id = db.start_run({"job_name": "job"})
+        db.save_document({**row, "run_id": run_id}, [])
+        db.finish_run(run_id, "done", {"documents_skipped": 1})
+    older, newer = build_report(db.path, run_id=1), Page(build_report(db.path, run_id=2).html)
+    assert "counted 1 skipped and 0 failed" in older.html and "a later run tried those documents again" in older.html
+    assert newer.records("problem-table") == [
+        {"document": "long", "status": "skipped", "variants": "full", "reason": "prompt has 900 tokens"}
+    ]
