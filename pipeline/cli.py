@@ -261,7 +261,9 @@ def corpus_pydoc_topics(path):
 @cli.command()
 @_db_option
 @click.option("--run", "run_id", type=int, help="Run id (default: the newest run that stored documents).")
-@click.option("-o", "--output", default="report.html", show_default=True, type=click.Path(dir_okay=False), help="HTML file to write.")
+@click.option(
+    "-o", "--output", default="report.html", show_default=True, type=click.Path(dir_okay=False), help="HTML file to write."
+)
 def report(db, run_id, output):
     """Write one self-contained HTML page of a run: per-layer budgets, bytes kept,
     fidelity, speed, trends across runs, failed and skipped documents.
@@ -273,7 +275,7 @@ def report(db, run_id, output):
     from .report import ReportError, write_report
 
     try:
-        result = _read_or_fail(write_report, db, output, run_id=run_id)
+        result = _read_or_fail(lambda path: write_report(path, output, run_id=run_id), db)
     except ReportError as exc:
         raise click.ClickException(str(exc))
     for message in result.messages:
@@ -282,11 +284,11 @@ def report(db, run_id, output):
     click.echo(f"{shown} -> {output} ({len(result.charts)} charts)", err=True)
 
 
-def _read_or_fail(reader, db, *args, **options):
+def _read_or_fail(reader, db, *args):
     import sqlite3
 
     try:
-        return reader(db, *args, **options)
+        return reader(db, *args)
     except FileNotFoundError as exc:
         raise click.ClickException(str(exc))
     except sqlite3.Error as exc:
