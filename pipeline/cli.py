@@ -258,6 +258,32 @@ def corpus_pydoc_topics(path):
     click.echo(f"{rows} documents -> {path}")
 
 
+@cli.command()
+@_db_option
+@click.option("--run", "run_id", type=int, help="Run id (default: the newest run that stored documents).")
+@click.option(
+    "-o", "--output", default="report.html", show_default=True, type=click.Path(dir_okay=False), help="HTML file to write."
+)
+def report(db, run_id, output):
+    """Write one self-contained HTML page of a run: per-layer budgets, bytes kept,
+    fidelity, speed, trends across runs, failed and skipped documents.
+
+    \b
+    Example:
+        velox-batch report --db data/velox.db -o report.html
+    """
+    from .report import ReportError, write_report
+
+    try:
+        result = _read_or_fail(lambda path: write_report(path, output, run_id=run_id), db)
+    except ReportError as exc:
+        raise click.ClickException(str(exc))
+    for message in result.messages:
+        click.echo(f"note: {message}", err=True)
+    shown = f"run {result.run_id}" if result.run_id is not None else "no run"
+    click.echo(f"{shown} -> {output} ({len(result.charts)} charts)", err=True)
+
+
 def _read_or_fail(reader, db, *args):
     import sqlite3
 

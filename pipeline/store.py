@@ -319,3 +319,128 @@ def document_layers(path, document_row: int):
         "from layer_stats where document_row = ? order by layer",
         [document_row],
     )
+
+
+# ----- report queries (read-only; used by pipeline/report.py) ----------------------------------
+
+
+def _read_dicts(path, sql: str, params=()) -> list[dict]:
+    columns, rows = read_only_query(path, sql, params)
+    return [dict(zip(columns, row)) for row in rows]
+
+
+def has_runs_table(path) -> bool:
+    """Whether the file holds a Velox store (an empty SQLite file does not)."""
+    _, rows = read_only_query(path, "select 1 from sqlite_master where type = 'table' and name = 'runs'")
+    return bool(rows)
+
+
+def report_run_ids(path) -> dict:
+    """``{"latest": newest run id, "latest_with_rows": newest run that stored document rows}``."""
+    _, rows = read_only_query(path, "select (select max(id) from runs), (select max(run_id) from documents)")
+    latest, with_rows = rows[0]
+    return {"latest": latest, "latest_with_rows": with_rows}
+
+
+def report_run(path, run_id: int) -> Optional[dict]:
+    """One ``runs`` row (without the spec text), or None."""
+    found = _read_dicts(
+        path,
+        "select id, job_name, model, device, started_at, ended_at, status, documents_total, documents_done, "
+        "documents_skipped, documents_failed, documents_unchanged from runs where id = ?",
+        [run_id],
+    )
+    return found[0] if found else None
+
+
+def report_later_runs(path, run_id: int, job_name: str) -> list[int]:
+    """Ids of the same job's runs after ``run_id``."""
+    _, rows = read_only_query(path, "select id from runs where id > ? and job_name = ? order by id", [run_id, job_name])
+    return [row[0] for row in rows]
+
+
+def fidelity_column(path, run_id: Optional[int] = None) -> str:
+    """``agreement_vs_full`` where the store has it (with values in ``run_id``), else ``rouge_l_vs_full``."""
+    _, rows = read_only_query(path, "select name from pragma_table_info('documents')")
+    if "agreement_vs_full" not in {row[0] for row in rows}:
+        return "rouge_l_vs_full"
+    if run_id is None:
+        return "agreement_vs_full"
+    _, rows = read_only_query(
+        path, "select count(agreement_vs_full) from documents where run_id = ? and status = 'done'", [run_id]
+    )
+    return "agreement_vs_full" if rows[0][0] else "rouge_l_vs_full"
+
+
+def _checked_fidelity(column: str) -> str:
+    if column not in ("agreement_vs_full", "rouge_l_vs_full"):
+        raise ValueError(f"fidelity column: '{column}' is not agreement_vs_full or rouge_l_vs_full")
+    return column
+
+
+def report_variants(path, run_id: int, fidelity: str = "rouge_l_vs_full") -> list[dict]:
+    """One row per variant of a run's done documents: counts, mean bytes, ratio, fidelity, speeds."""
+    fidelity = _checked_fidelity(fidelity)
+    return _read_dicts(
+        path,
+        f"select variant, method, budget, count(*) as documents, avg(kept_bytes) as mean_kept_bytes, "
+        f"avg(full_seq_bytes) as mean_full_seq_bytes, avg(compression_ratio) as mean_compression_ratio, "
+        f"avg({fidelity}) as mean_fidelity, avg(prefill_tokens_per_second) as mean_prefill_tps, "
+        f"avg(decode_tokens_per_second) as mean_decode_tps "
+        f"from documents where run_id = ? and status = 'done' "
+        f"group by variant, method, budget order by method = 'full' desc, variant",
+        [run_id],
+    )
+
+
+def report_documents(path, run_id: int, fidelity: str = "rouge_l_vs_full") -> list[dict]:
+    """A run's done documents, one row per document × variant, with ``fidelity`` as the fidelity."""
+    fidelity = _checked_fidelity(fidelity)
+    return _read_dicts(
+        path,
+        f"select document_id, variant, method, prompt_tokens, output_tokens, kept_bytes, full_seq_bytes, "
+        f"compression_ratio, {fidelity} as fidelity, prefill_tokens_per_second, decode_tokens_per_second "
+        f"from documents where run_id = ? and status = 'done' order by document_id, method = 'full' desc, variant",
+        [run_id],
+    )
+
+
+def report_layers(path, run_id: int) -> list[dict]:
+    """Per compressed variant and layer, over a run's done documents: budget (mean, min, max),
+    mean tokens kept and seen, mean concentration."""
+    return _read_dicts(
+        path,
+        "select d.variant, d.method, l.layer, count(*) as documents, avg(l.layer_budget) as mean_budget, "
+        "min(l.layer_budget) as min_budget, max(l.layer_budget) as max_budget, "
+        "avg(l.tokens_kept) as mean_tokens_kept, avg(l.concentration) as mean_concentration "
+        "from layer_stats l join documents d on d.id = l.document_row "
+        "where d.run_id = ? and d.status = 'done' and d.method != 'full' "
+        "group by d.variant, d.method, l.layer order by d.variant, l.layer",
+        [run_id],
+    )
+
+
+def report_problems(path, run_id: int) -> list[dict]:
+    """A run's failed and skipped documents: one row per document, status and reason, with its variants."""
+    return _read_dicts(
+        path,
+        "select document_id, status, error, group_concat(variant, ', ') as variants from "
+        "(select document_id, status, coalesce(error, '') as error, variant from documents "
+        "where run_id = ? and status != 'done' order by variant) "
+        "group by document_id, status, error order by status, document_id",
+        [run_id],
+    )
+
+
+def report_history(path, job_name: str, fidelity: str = "rouge_l_vs_full") -> list[dict]:
+    """Per run of ``job_name`` and variant: mean prefill and decode tokens/s and fidelity of its done rows."""
+    fidelity = _checked_fidelity(fidelity)
+    return _read_dicts(
+        path,
+        f"select r.id as run_id, r.started_at, d.variant, d.method, count(*) as documents, "
+        f"avg(d.prefill_tokens_per_second) as mean_prefill_tps, avg(d.decode_tokens_per_second) as mean_decode_tps, "
+        f"avg(d.{fidelity}) as mean_fidelity "
+        f"from runs r join documents d on d.run_id = r.id "
+        f"where r.job_name = ? and d.status = 'done' group by r.id, d.variant order by r.id, d.variant",
+        [job_name],
+    )
