@@ -8,6 +8,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -258,6 +259,25 @@ def test_a_migration_that_dies_halfway_leaves_nothing_behind(tmp_path, monkeypat
     assert rows(tmp_path / "s.db", "select count(*) from _velox_migrations") == [(len(MIGRATIONS),)]
 
 
+def test_a_store_from_before_the_history_marks_is_upgraded_in_place(tmp_path, monkeypatch):
+    db = tmp_path / "old.db"
+    monkeypatch.setattr(store_module, "MIGRATIONS", MIGRATIONS[:2])
+    with Store(db).locked() as store:
+        run_id = store.start_run({"job_name": "old"})
+        for output in ("first", "second"):
+            store.db["documents"].insert(
+                {"doc_key": output, "run_id": run_id, "document_id": "d", "variant": "full", "method": "full",
+                 "status": "done", "output": output}
+            )
+    monkeypatch.setattr(store_module, "MIGRATIONS", MIGRATIONS)
+    with Store(db).locked():
+        pass
+    assert rows(db, "select output, is_latest from documents order by id") == [("first", 0), ("second", 1)]
+    assert rows(db, "select variant, documents from method_summary") == [("full", 1)]
+    shown = invoke("show", "d", "--db", db)
+    assert shown.exit_code == 0 and "second" in shown.output and "first" not in shown.output
+
+
 # ----- 7. signals and crashes mark the run and exit with their own status --------------------
 
 
@@ -289,9 +309,11 @@ def test_a_signal_marks_the_run_interrupted_and_releases_the_lock(job, tmp_path,
     assert rows(db, "select count(*) from layer_stats") == [(done * 4,)]
     with Store(db).locked():  # the lock is free again
         pass
-    resumed = invoke("run", path, "-q")
-    assert resumed.exit_code == 0, resumed.output
-    assert rows(db, "select count(*) from latest_documents where status = 'done'") == [(90,)]
+    if signum == signal.SIGTERM:  # one resume is enough to show it picks up where the run stopped
+        resumed = invoke("run", path, "-q")
+        assert resumed.exit_code == 0, resumed.output
+        assert rows(db, "select documents_unchanged from runs where id = 2") == [(done,)]
+        assert rows(db, "select count(*) from latest_documents where status = 'done'") == [(90,)]
 
 
 def test_ctrl_c_while_the_model_loads_marks_the_run_interrupted(job, tmp_path):
@@ -391,11 +413,13 @@ def test_the_default_store_is_the_same_for_run_and_readers(job, tmp_path, monkey
 
 @pytest.fixture
 def read_only_store(job):
-    """A finished store in a directory the reader cannot write; runs the reader unprivileged if root."""
+    """A finished WAL store with no side files, in a directory its reader cannot write."""
     directory = Path(tempfile.mkdtemp(prefix="velox-ro-"))
     directory.chmod(0o755)
     db = directory / "store.db"
     assert invoke("run", job(), "--db", db, "--limit", 1, "--variant", "full", "-q").exit_code == 0
+    assert rows(db, "pragma journal_mode") == [("wal",)]  # closing the last connection removes -wal and -shm
+    assert sorted(p.name for p in directory.iterdir()) == ["store.db", "store.db.lock"]
     db.chmod(0o444)
     directory.chmod(0o555)
     yield db
@@ -403,19 +427,43 @@ def read_only_store(job):
     shutil.rmtree(directory)
 
 
-def run_cli_as_reader(*args):
-    kwargs = {"user": 65534, "group": 65534, "extra_groups": []} if os.geteuid() == 0 else {}
+def unprivileged_python():
+    """``(interpreter, extra env, Popen options)`` that run this worktree's CLI as a user who cannot
+    write the store (uid 65534 when the tests run as root, who could); None if there is none."""
+    if os.geteuid() != 0:
+        return sys.executable, {}, {}
+    env = {"PYTHONPATH": sysconfig.get_paths()["purelib"]}
+    options = {"user": 65534, "group": 65534, "extra_groups": []}
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for interpreter in (sys.executable, f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"):
+        try:
+            probe = subprocess.run(
+                [interpreter, "-c", "import click, sqlite_utils"], env={**os.environ, **env}, cwd=REPO,
+                capture_output=True, timeout=60, **options,
+            )
+        except OSError:
+            continue
+        if probe.returncode == 0:
+            return interpreter, env, options
+    return None
+
+
+def run_cli_as_reader(reader, *args):
+    interpreter, env, options = reader
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *map(str, args)],
-        cwd=REPO, env=cli_env(HOME="/tmp"), capture_output=True, text=True, timeout=120, **kwargs,
+        [interpreter, "-m", "pipeline.cli", *map(str, args)],
+        cwd=REPO, env=cli_env(HOME="/tmp", **env), capture_output=True, text=True, timeout=120, **options,
     )
 
 
 def test_status_and_query_read_a_store_they_cannot_write(read_only_store):
-    status = run_cli_as_reader("status", "--db", read_only_store)
+    reader = unprivileged_python()
+    if reader is None:
+        pytest.skip("no interpreter an unprivileged user can run")
+    status = run_cli_as_reader(reader, "status", "--db", read_only_store)
     assert status.returncode == 0, status.stderr
     assert "tiny-job" in status.stdout and "immutable" in status.stderr
-    query = run_cli_as_reader("query", "select count(*) as n from documents", "--db", read_only_store, "--format", "csv")
+    query = run_cli_as_reader(reader, "query", "select count(*) as n from documents", "--db", read_only_store, "--format", "csv")
     assert query.returncode == 0, query.stderr
     assert query.stdout.splitlines() == ["n", "1"]
 
@@ -461,7 +509,7 @@ def test_cut_table_cells_end_with_an_ellipsis(small_store):
 def test_runs_device_names_the_reference_blas_when_openblas_is_not_preloaded(job, tmp_path):
     env = {k: v for k, v in cli_env().items() if k != "LD_PRELOAD"}
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "run", str(job()), "--limit", 1, "--variant", "full", "-q"],
+        [sys.executable, "-m", "pipeline.cli", "run", str(job()), "--limit", "1", "--variant", "full", "-q"],
         cwd=REPO, env={k: str(v) for k, v in env.items()}, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
