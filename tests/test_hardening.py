@@ -65,14 +65,15 @@ def test_prompt_template_fields_are_checked_with_a_real_parser(template, message
     assert message in str(error.value)
 
 
-def test_doubled_braces_are_literal_text(job, tmp_path):
-    path = job({"input": {"prompt_template": 'Reply like {{"a": 1}}: {text}'}, "variants": [{"method": "full"}]})
-    spec = load_spec(path)
-    assert spec.input.template_columns() == ["text"]
-    from pipeline.prompting import _render
+def test_doubled_braces_are_literal_text(job, tiny_model):
+    from pipeline.prompting import build_prompt
     from pipeline.source import Document
 
-    assert _render(spec, Document("d", {"text": "hi"}, "h")) == 'Reply like {"a": 1}: hi'
+    spec = load_spec(job({"input": {"prompt_template": 'Reply like {{"a": 1}}: {text}'}}))
+    assert spec.input.template_columns() == ["text"]
+    _, tokenizer = tiny_model
+    prompt = build_prompt(spec, tokenizer, Document("d", {"text": "hi"}, "h"))
+    assert 'Reply like {"a": 1}: hi' in tokenizer.decode(prompt.tokens)
 
 
 # ----- 2. one current row per document and variant; keys ignore limits that did not apply ----
@@ -104,8 +105,10 @@ def test_raising_the_prompt_limit_redoes_only_documents_it_applied_to(job, tmp_p
     db = tmp_path / "store.db"
     assert rows(db, "select documents_unchanged, documents_done from runs where id = 2") == [(2, 1)]
     assert rows(db, "select count(*) from documents where document_id != 'long'") == [(2,)]
-    latest = rows(db, "select status, truncated from latest_documents where document_id = 'long'")
-    assert latest == [("done", None)] or latest == [("done", 0)]
+    assert rows(db, "select status, truncated from latest_documents where document_id = 'long'") == [("done", 0)]
+    # a cut prompt's row stays as history; a skipped one is replaced by the work it stood for
+    history = rows(db, "select status from documents where document_id = 'long' and is_latest = 0")
+    assert history == ([("done",)] if policy == "truncate" else [])
     assert rows(db, "select documents from method_summary") == [(3,)]
 
 
