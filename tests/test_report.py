@@ -240,7 +240,8 @@ def test_agreement_is_the_fidelity_once_the_store_has_it(store_path, tmp_path):
 
 
 def test_empty_store_and_run_without_compression_give_a_clear_message(tmp_path, tiny_model_dir):
-    Store(tmp_path / "empty.db")
+    with Store(tmp_path / "empty.db").locked():
+        pass  # creates and migrates the store, stores no run
     empty = build_report(tmp_path / "empty.db")
     Page(empty.html)
     assert empty.run_id is None and empty.charts == []
@@ -273,7 +274,8 @@ def test_cli_writes_the_page_and_reports_errors(store_path, tmp_path):
     unknown = invoke("report", "--db", store_path, "--run", 99, "-o", tmp_path / "y.html")
     assert unknown.exit_code == 1 and "no run 99" in unknown.output
     empty_db = tmp_path / "empty.db"
-    Store(empty_db)
+    with Store(empty_db).locked():
+        pass
     empty = invoke("report", "--db", empty_db, "-o", tmp_path / "empty.html")
     assert empty.exit_code == 0 and "no runs yet" in empty.output
     assert "no runs yet" in (tmp_path / "empty.html").read_text()
@@ -292,10 +294,11 @@ def test_problems_taken_over_by_a_later_run_are_explained(tmp_path):
     db = Store(tmp_path / "store.db")
     row = {"doc_key": "k", "document_id": "long", "variant": "full", "method": "full", "status": "skipped",
            "error": "prompt has 900 tokens"}
-    for _ in range(2):
-        run_id = db.start_run({"job_name": "job"})
-        db.save_document({**row, "run_id": run_id}, [])
-        db.finish_run(run_id, "done", {"documents_skipped": 1})
+    with db.locked():
+        for _ in range(2):
+            run_id = db.start_run({"job_name": "job"})
+            db.save_document({**row, "run_id": run_id}, [])
+            db.finish_run(run_id, "done", {"documents_skipped": 1})
     older, newer = build_report(db.path, run_id=1), Page(build_report(db.path, run_id=2).html)
     assert "counted 1 skipped and 0 failed" in older.html and "a later run tried those documents again" in older.html
     assert newer.records("problem-table") == [
