@@ -30,7 +30,7 @@ from mlx_lm.models.cache import _BaseCache
 
 from . import attention
 from .accounting import CacheAccounting
-from .config import KVCacheConfig
+from .config import ConfigError, KVCacheConfig
 from .observe import is_observing, shared_softmax_default
 from .phases import Phase
 from .selection import WindowSelector
@@ -63,8 +63,8 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config: expected a KVCacheConfig, got {type(config).__name__}")
         if config.budget_fraction is not None:
-            raise ValueError(
-                f"budget: {config.budget!r} is a fraction of the prompt; resolve it first "
+            raise ConfigError(
+                f"budget: {config.budget!r} is a share of the prompt; resolve it first "
                 "(KVCacheBuilder.for_model(..., prompt_tokens=N) or config.resolved_for(N))"
             )
         self.config = config

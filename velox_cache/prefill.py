@@ -12,9 +12,9 @@ budget + chunk + probe, and every chunk attends to at most that many keys, so
 prefill time grows linearly with the document.
 
 Positions: original positions are kept while the prompt fits the model's
-context. When the next chunk, its probe, the instruction and the tokens to
-generate would run past it, every layer re-rotates its held keys to
-contiguous positions (``compact_positions``) and reading goes on, so a
+context. When the next chunk and its probe, or the instruction and the
+tokens to generate, would run past it, every layer re-rotates its held keys
+to contiguous positions (``compact_positions``) and reading goes on, so a
 document longer than the context can be read at all.
 
 With no instruction (a ready-made prompt) the whole prompt is the document:
@@ -37,11 +37,21 @@ class ContextError(ValueError):
     """The prompt cannot be read within the model's context, even re-rotated."""
 
 
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
 def model_context(model) -> Optional[int]:
-    """The model's context length (``max_position_embeddings``), or None when it does not say."""
+    """The number of positions the model was trained for, from its config; None if it does not say.
+
+    mlx-lm models keep their config as ``model.args``; llama-style configs name it
+    ``max_position_embeddings``, others one of ``CONTEXT_FIELDS``.
+    """
     args = getattr(model, "args", None)
-    value = getattr(args, "max_position_embeddings", None)
-    return int(value) if value else None
+    for name in CONTEXT_FIELDS:
+        value = getattr(args, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def prefill_phases(
@@ -74,7 +84,7 @@ def prefill_phases(
         raise ValueError("document: the prompt is empty")
     caches = list(caches)
     probe = instruction if instruction and phases.wants_probe(caches) else []
-    positions = _Positions(model, caches, context_length, len(instruction) + max_new_tokens)
+    positions = _Positions(model, caches, context_length)
     notify = after_call or (lambda event, stack: None)
 
     phases.tell(caches, Phase.DOCUMENT)
@@ -82,7 +92,7 @@ def prefill_phases(
     chunks = [body[i : i + chunk_size] for i in range(0, len(body), chunk_size)]
     for index, chunk in enumerate(chunks):
         last = index == len(chunks) - 1
-        positions.make_room(len(chunk) + (0 if last else len(probe)))
+        positions.make_room(len(chunk) + (0 if last else len(probe)))  # a probe's positions are given back
         logits = _run(model, chunk, caches)
         notify("document", caches)
         if probe and not last:
@@ -93,7 +103,7 @@ def prefill_phases(
             notify("probe_dropped", caches)
     if instruction:
         phases.tell(caches, Phase.INSTRUCTION)
-        positions.make_room(0)
+        positions.make_room(len(instruction) + max_new_tokens)
         for begin in range(0, len(instruction), chunk_size):
             logits = _run(model, instruction[begin : begin + chunk_size], caches)
             notify("instruction", caches)
@@ -113,15 +123,14 @@ def _run(model, tokens: list[int], caches: list) -> mx.array:
 class _Positions:
     """Keeps every position the model sees inside its context, re-rotating held keys when needed."""
 
-    def __init__(self, model, caches: list, context_length: Optional[int], reserve: int):
+    def __init__(self, model, caches: list, context_length: Optional[int]):
         self.model = model
         self.context = context_length or model_context(model)
-        self.reserve = reserve  # the instruction and the tokens to generate
         self.movable = [c for c in caches if callable(getattr(c, "compact_positions", None))]
         self.shift: Optional[RotaryShift] = None
 
     def make_room(self, upcoming: int) -> None:
-        """Before ``upcoming`` more tokens (plus the reserve): compact positions if they would pass the context."""
+        """Before ``upcoming`` more positions: compact the held ones if they would pass the context."""
         if self.context is None or not self.movable:
             return
         if not self._over(upcoming):
@@ -131,11 +140,11 @@ class _Positions:
         for cache in self.movable:
             cache.compact_positions(self.shift)
         if self._over(upcoming):
-            need = max(c.offset for c in self.movable) + upcoming + self.reserve
+            need = max(c.offset for c in self.movable) + upcoming
             raise ContextError(
-                f"context_length: {self.context} tokens cannot hold the budget, a chunk, the probe, the "
-                f"instruction and the tokens to generate ({need}); lower the budget, chunk_size or max_tokens"
+                f"context_length: {self.context} positions cannot hold the budget plus a chunk and its probe, "
+                f"or the instruction and the tokens to generate ({need}); lower the budget, chunk_size or max_tokens"
             )
 
     def _over(self, upcoming: int) -> bool:
-        return any(c.offset + upcoming + self.reserve > self.context for c in self.movable)
+        return any(c.offset + upcoming > self.context for c in self.movable)
