@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import statistics
 import sys
 import time
@@ -82,6 +83,7 @@ def fits(model, prompt, new_tokens: int) -> bool:
 
 def run_once(model, prompt, caches, *, scoring, chunk, decode_steps):
     """Prefill by phases then greedy decode; returns (prefill s, median decode s/token, peak bytes above start, tokens)."""
+    gc.collect()  # squeeze stacks are reference cycles (coordinator <-> caches): free the last run's arrays
     mx.clear_cache()
     start_memory = mx.get_active_memory()
     mx.reset_peak_memory()
