@@ -9,6 +9,7 @@ command with OpenBLAS preloaded when the system has it (Debian:
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import os
 import sys
@@ -59,17 +60,51 @@ def find_openblas() -> Path | None:
 
 
 def loaded_blas() -> str:
-    """A description of the BLAS this process uses."""
+    """The BLAS whose GEMM MLX calls in this process (``doctor`` and ``runs.device`` show this).
+
+    MLX resolves ``cblas_sgemm`` through the global symbol scope first (where a
+    preloaded library sits) and falls back to the reference BLAS bundled with the
+    ``mlx-cpu`` wheel. Other BLAS copies in the process (numpy's bundled
+    OpenBLAS, with renamed symbols) do not count.
+    """
     if sys.platform == "darwin":
         return "Accelerate (macOS)"
+    library = _global_symbol_library("cblas_sgemm")
+    if library is None:
+        return "reference BLAS bundled with mlx (slow)"
+    if "openblas" in os.path.realpath(library).lower() or "openblas" in library.lower():
+        return f"OpenBLAS ({library})"
+    return library
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
+
+
+def _global_symbol_library(symbol: str) -> str | None:
+    """The file of the library that defines ``symbol`` in the process's global scope, or None."""
     try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        maps = ""
-    for line in maps.splitlines():
-        if "openblas" in line.lower():
-            return f"OpenBLAS ({line.split()[-1]})"
-    return "reference BLAS bundled with mlx (slow)"
+        process = ctypes.CDLL(None)
+        address = ctypes.cast(getattr(process, symbol), ctypes.c_void_p)
+    except (AttributeError, OSError):
+        return None
+    try:
+        dladdr = process.dladdr
+    except AttributeError:  # glibc before 2.34 keeps it in libdl
+        try:
+            dladdr = ctypes.CDLL("libdl.so.2").dladdr
+        except (OSError, AttributeError):
+            return None
+    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+    info = _DlInfo()
+    if not dladdr(address, ctypes.byref(info)) or not info.dli_fname:
+        return None
+    return os.fsdecode(info.dli_fname)
 
 
 def ensure_fast_blas() -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
+from typing import Optional
 
 from .source import Document
 from .spec import JobSpec
@@ -14,8 +17,38 @@ class Prompt:
     truncated: bool = False
 
 
+def tokens_hash(tokens: list[int]) -> str:
+    """A short hash of a prompt's token ids: what the model actually reads."""
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+
+
 class PromptTooLong(Exception):
-    """The prompt exceeds ``limits.max_prompt_tokens`` under ``skip`` or ``fail``."""
+    """The prompt exceeds its limit (``limits.max_prompt_tokens`` or the model's context).
+
+    ``tokens`` is the whole prompt as it would have been, before any cutting.
+    """
+
+    def __init__(self, message: str, tokens: list[int]):
+        super().__init__(message)
+        self.tokens = tokens
+
+
+def prompt_limit(spec: JobSpec, context_length: Optional[int]) -> tuple[Optional[int], str]:
+    """The most prompt tokens a document may have, and what sets that limit (for messages).
+
+    The model's context must hold the prompt and ``generation.max_tokens`` new
+    tokens; ``limits.max_prompt_tokens``, when set, may ask for less.
+    """
+    limits = []
+    if spec.limits.max_prompt_tokens is not None:
+        limits.append((spec.limits.max_prompt_tokens, f"limits.max_prompt_tokens={spec.limits.max_prompt_tokens}"))
+    if context_length is not None:
+        room = context_length - spec.generation.max_tokens
+        limits.append(
+            (room, f"{room} (the model's context of {context_length} positions "
+                   f"minus generation.max_tokens={spec.generation.max_tokens})")
+        )
+    return min(limits) if limits else (None, "")
 
 
 def _render(spec: JobSpec, document: Document, text: str | None = None) -> str:
@@ -38,14 +71,20 @@ def _encode(spec: JobSpec, tokenizer, content: str) -> list[int]:
     return list(tokenizer.encode(content))
 
 
-def build_prompt(spec: JobSpec, tokenizer, document: Document) -> Prompt:
-    """The prompt tokens for one document, applying ``limits`` (truncate cuts the document text)."""
+def build_prompt(spec: JobSpec, tokenizer, document: Document, *, context_length: Optional[int] = None) -> Prompt:
+    """The prompt tokens for one document, applying ``limits`` (truncate cuts the document text).
+
+    ``context_length`` is the model's (see ``model_store.context_length``); a
+    prompt that would not fit in it follows ``limits.on_too_long`` like one
+    over ``limits.max_prompt_tokens``.
+    """
     tokens = _encode(spec, tokenizer, _render(spec, document))
-    limit = spec.limits.max_prompt_tokens
+    limit, reason = prompt_limit(spec, context_length)
     if limit is None or len(tokens) <= limit:
         return Prompt(tokens)
+    full = tokens
     if spec.limits.on_too_long != "truncate" or spec.input.prompt_column:
-        raise PromptTooLong(f"prompt has {len(tokens)} tokens, more than limits.max_prompt_tokens={limit}")
+        raise PromptTooLong(f"prompt has {len(tokens)} tokens, more than {reason}", full)
     text_tokens = tokenizer.encode(document.fields[spec.input.text_column])
     keep = max(0, len(text_tokens) - (len(tokens) - limit))
     while True:
@@ -54,5 +93,5 @@ def build_prompt(spec: JobSpec, tokenizer, document: Document) -> Prompt:
             break
         keep = max(0, keep - (len(tokens) - limit))
     if len(tokens) > limit:
-        raise PromptTooLong(f"the prompt without any document text is longer than {limit} tokens")
+        raise PromptTooLong(f"the prompt without any document text has {len(tokens)} tokens, more than {reason}", full)
     return Prompt(tokens, truncated=True)

@@ -4,29 +4,42 @@ Exit statuses (also of ``velox-batch run``):
 
 * 0 every document was done, skipped by the limits, or already done before;
 * 1 at least one document failed (its error is stored; the run went on);
-* 2 the job spec, its input or its model is invalid (nothing was run);
-* 3 another run holds the store (nothing was run).
+* 2 the job spec, its input, its store path or its model is invalid (nothing was run);
+* 3 another run holds the store (nothing was run);
+* 4 the run stopped on an unexpected error (a bug, a full disk): marked ``failed``;
+* 130 / 143 (128 + the signal) SIGINT (Ctrl-C) or SIGTERM stopped it: the document in
+  progress is abandoned (nothing of it is stored), the run is marked ``interrupted``, the
+  lock released; the next run resumes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import signal
 import socket
 import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from . import model_store
 from .generation import generate
 from .platform import loaded_blas, package_version
-from .prompting import PromptTooLong, build_prompt
+from .prompting import Prompt, PromptTooLong, build_prompt, tokens_hash
 from .similarity import rouge_l
-from .source import count_documents, iter_documents, open_dataset
+from .source import Document, count_documents, iter_documents, open_dataset
 from .spec import JobSpec, SpecError, Variant, variant_hash
-from .store import Store, StoreLocked
+from .store import Store, StoreError, StoreLocked
 
-EXIT_OK, EXIT_DOCUMENT_FAILED, EXIT_BAD_INPUT, EXIT_LOCKED = 0, 1, 2, 3
+EXIT_OK, EXIT_DOCUMENT_FAILED, EXIT_BAD_INPUT, EXIT_LOCKED, EXIT_CRASHED = 0, 1, 2, 3, 4
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def exit_status_for_signal(signum: int) -> int:
+    """128 + the signal number, as shells report a command a signal stopped: 130 SIGINT, 143 SIGTERM."""
+    return 128 + int(signum)
 
 
 class JobError(RuntimeError):
@@ -37,19 +50,83 @@ class JobError(RuntimeError):
         self.exit_status = exit_status
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived; raised where the runner was, so no handler for errors swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+
+
+class _SignalGuard:
+    """While armed, the first SIGINT or SIGTERM raises ``Interrupted``; later ones are ignored.
+
+    Only in the main thread (Python delivers signals there); elsewhere it does nothing.
+    """
+
+    def __init__(self):
+        self.armed = False
+
+    def _handler(self, signum, frame):
+        if self.armed:
+            self.armed = False
+            raise Interrupted(signum)
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    @contextmanager
+    def installed(self) -> Iterator["_SignalGuard"]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {signum: signal.getsignal(signum) for signum in HANDLED_SIGNALS}
+        self.armed = True
+        for signum in HANDLED_SIGNALS:
+            signal.signal(signum, self._handler)
+        try:
+            yield self
+        finally:
+            self.armed = False
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
 @dataclass
 class RunSummary:
     run_id: int
     db: str
     counts: dict = field(default_factory=dict)
+    status: str = "done"
+    signal: Optional[int] = None  # the signal that interrupted the run
+
+    @property
+    def signal_name(self) -> Optional[str]:
+        return signal.Signals(self.signal).name if self.signal is not None else None
 
     @property
     def exit_status(self) -> int:
+        if self.signal is not None:
+            return exit_status_for_signal(self.signal)
         return EXIT_DOCUMENT_FAILED if self.counts.get("documents_failed") else EXIT_OK
 
 
-def _doc_key(document_id: str, content_hash: str, settings_hash: str, variant: Variant) -> str:
-    raw = json.dumps([document_id, content_hash, settings_hash, variant_hash(variant)])
+@dataclass
+class PreparedDocument:
+    """A document's prompt, or why it has none, and what keys its work."""
+
+    document: Document
+    basis: str  # the prompt tokens' hash, or the content hash of a document without a prompt
+    prompt: Optional[Prompt] = None
+    prompt_hash: Optional[str] = None
+    prompt_tokens: Optional[int] = None
+    status: str = "ready"  # ready, skipped or error
+    error: Optional[str] = None
+
+
+def _doc_key(document_id: str, basis: str, settings_hash: str, variant: Variant) -> str:
+    """What decides one document × variant's output: prompt tokens, model and generation, variant."""
+    raw = json.dumps([document_id, basis, settings_hash, variant_hash(variant)])
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
@@ -92,21 +169,31 @@ def run_job(
     load_model: Callable = model_store.load_model,
     progress_stream=None,
 ) -> RunSummary:
-    """Run ``spec``; raises ``JobError`` (exit status 2 or 3) when nothing can run."""
-    try:
-        dataset = open_dataset(spec)  # validates files and columns before any model is loaded
-    except SpecError as exc:
-        raise JobError(str(exc), EXIT_BAD_INPUT) from None
-    store = Store(spec.output.db)
-    try:
-        with store.locked():
-            store.close_abandoned_runs()
-            return _run_locked(spec, store, dataset, force, quiet, load_model, progress_stream)
-    except StoreLocked as exc:
-        raise JobError(str(exc), EXIT_LOCKED) from None
+    """Run ``spec``; raises ``JobError`` (exit status 2, 3, 130 or 143) when nothing ran.
+
+    SIGINT and SIGTERM stop the run between two Python steps (at the latest after the
+    prefill chunk or decode step in progress): the summary then has ``status``
+    ``interrupted`` and ``signal`` set. Any other exception marks the run ``failed``
+    and propagates.
+    """
+    guard = _SignalGuard()
+    with guard.installed():
+        try:
+            dataset = open_dataset(spec)  # validates files and columns before any model is loaded
+            store = Store(spec.output.db)
+            with store.locked():
+                store.close_abandoned_runs()
+                return _run_locked(spec, store, dataset, force, quiet, load_model, progress_stream, guard)
+        except (SpecError, StoreError) as exc:
+            raise JobError(str(exc), EXIT_BAD_INPUT) from None
+        except StoreLocked as exc:
+            raise JobError(str(exc), EXIT_LOCKED) from None
+        except Interrupted as exc:
+            message = f"interrupted by {exc} before the run started; nothing was run"
+            raise JobError(message, exit_status_for_signal(exc.signum)) from None
 
 
-def _run_locked(spec, store, dataset, force, quiet, load_model, progress_stream) -> RunSummary:
+def _run_locked(spec, store, dataset, force, quiet, load_model, progress_stream, guard) -> RunSummary:
     import mlx.core as mx
 
     total_rows = count_documents(dataset)
@@ -128,22 +215,19 @@ def _run_locked(spec, store, dataset, force, quiet, load_model, progress_stream)
         }
     )
     counts = {"documents_done": 0, "documents_skipped": 0, "documents_failed": 0, "documents_unchanged": 0}
+    status, error, signum, progress = "failed", None, None, None
     try:
-        model, tokenizer = load_model(spec.model)
-    except (model_store.ModelImportError, ValueError, OSError) as exc:
-        store.finish_run(run_id, "failed", counts)
-        raise JobError(f"model: {exc}", EXIT_BAD_INPUT) from None
-    settings_hash = spec.settings_hash()
-    variants = sorted(spec.variants, key=lambda v: v.cache.method != "full")  # full first
-    progress = Progress(total, quiet, progress_stream)
-    status = "interrupted"
-    try:
+        model, tokenizer, context = _load(spec, load_model)
+        settings_hash = spec.output_settings_hash(weights=model_store.weights_mode())
+        variants = sorted(spec.variants, key=lambda v: v.cache.method != "full")  # full first
+        progress = Progress(total, quiet, progress_stream)
         for index, document in enumerate(iter_documents(spec, dataset)):
             if limit and index >= limit:
                 break
+            prepared = _prepare(spec, tokenizer, document, context)
             outcomes, rates = [], []
             for variant in variants:
-                outcome, rate = _process(spec, store, run_id, model, tokenizer, document, variant, settings_hash, force)
+                outcome, rate = _process(spec, store, run_id, model, tokenizer, prepared, variant, settings_hash, force)
                 counts[f"documents_{outcome}"] += 1
                 outcomes.append(f"{variant.name} {outcome}")
                 if rate:
@@ -151,40 +235,83 @@ def _run_locked(spec, store, dataset, force, quiet, load_model, progress_stream)
             store.update_run(run_id, **counts)
             progress.document_done(document.document_id, outcomes, sum(rates) / len(rates) if rates else None)
         status = "done_with_errors" if counts["documents_failed"] else "done"
+    except Interrupted as exc:
+        status, error, signum = "interrupted", str(exc), exc.signum
+    except KeyboardInterrupt:  # raised by code that turned a SIGINT into one itself
+        status, error, signum = "interrupted", "SIGINT", int(signal.SIGINT)
+    except JobError as exc:
+        error = str(exc)
+        raise
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        raise
     finally:
-        progress.close()
-        store.finish_run(run_id, status, counts)
-    return RunSummary(run_id, str(spec.output.db), counts)
+        guard.disarm()  # the run is marked and the lock released whatever arrives now
+        if progress is not None:
+            progress.close()
+        try:
+            store.finish_run(run_id, status, counts, error=error)
+        except Exception:
+            if error is None or status == "interrupted":
+                raise  # otherwise the error that stopped the run is the one to report
+    return RunSummary(run_id, str(spec.output.db), counts, status=status, signal=signum)
 
 
-def _process(spec, store, run_id, model, tokenizer, document, variant, settings_hash, force):
+def _load(spec: JobSpec, load_model: Callable):
+    """``(model, tokenizer, context length or None)``; a bad model or a context too small is a ``JobError``."""
+    try:
+        model, tokenizer = load_model(spec.model)
+    except (model_store.ModelImportError, ValueError, OSError) as exc:
+        raise JobError(f"model: {exc}", EXIT_BAD_INPUT) from None
+    context = model_store.context_length(model)
+    if context is not None and spec.generation.max_tokens >= context:
+        raise JobError(
+            f"generation.max_tokens: {spec.generation.max_tokens} leaves no room for a prompt in the "
+            f"model's context of {context} positions",
+            EXIT_BAD_INPUT,
+        )
+    return model, tokenizer, context
+
+
+def _prepare(spec: JobSpec, tokenizer, document: Document, context: Optional[int]) -> PreparedDocument:
+    """Build one document's prompt once, for every variant."""
+    if document.error:
+        return PreparedDocument(document, f"content:{document.content_hash}", status="error", error=document.error)
+    try:
+        prompt = build_prompt(spec, tokenizer, document, context_length=context)
+    except PromptTooLong as exc:
+        prompt_hash = tokens_hash(exc.tokens)
+        status = "skipped" if spec.limits.on_too_long == "skip" else "error"
+        return PreparedDocument(
+            document, prompt_hash, prompt_hash=prompt_hash, prompt_tokens=len(exc.tokens), status=status, error=str(exc)
+        )
+    prompt_hash = tokens_hash(prompt.tokens)
+    return PreparedDocument(document, prompt_hash, prompt=prompt, prompt_hash=prompt_hash, prompt_tokens=len(prompt.tokens))
+
+
+def _process(spec, store, run_id, model, tokenizer, prepared, variant, settings_hash, force):
     """One document × variant; returns (outcome, decode tokens/s or None)."""
     config = variant.cache
-    key = _doc_key(document.document_id, document.content_hash, settings_hash, variant)
-    if not force and store.is_done(key):
+    document = prepared.document
+    key = _doc_key(document.document_id, prepared.basis, settings_hash, variant)
+    if not force and store.reuse_done(key):
         return "unchanged", None
     row = {
         "doc_key": key,
         "run_id": run_id,
         "document_id": document.document_id,
         "content_hash": document.content_hash,
+        "prompt_hash": prepared.prompt_hash,
         "settings_hash": settings_hash,
         "variant": variant.name,
         "method": config.method,
         "budget": None if config.method == "full" else config.budget,
         "scoring": None if config.method == "full" else config.scoring,
     }
-    if document.error:
-        store.save_document({**row, "status": "error", "error": document.error}, [])
-        return "failed", None
-    try:
-        prompt = build_prompt(spec, tokenizer, document)
-    except PromptTooLong as exc:
-        if spec.limits.on_too_long == "skip":
-            store.save_document({**row, "status": "skipped", "error": str(exc)}, [])
-            return "skipped", None
-        store.save_document({**row, "status": "error", "error": str(exc)}, [])
-        return "failed", None
+    if prepared.status != "ready":
+        store.save_document({**row, "status": prepared.status, "error": prepared.error, "prompt_tokens": prepared.prompt_tokens}, [])
+        return ("skipped" if prepared.status == "skipped" else "failed"), None
+    prompt = prepared.prompt
     try:
         result = generate(model, tokenizer, prompt.tokens, config, spec.generation)
     except Exception as exc:  # one bad document must not stop the night's run
@@ -192,7 +319,7 @@ def _process(spec, store, run_id, model, tokenizer, document, variant, settings_
         return "failed", None
     similarity = None
     if config.method != "full":
-        reference = store.full_output(document.document_id, document.content_hash, settings_hash)
+        reference = store.full_output(document.document_id, prepared.prompt_hash, settings_hash)
         similarity = rouge_l(result.output, reference) if reference is not None else None
     store.save_document(
         {
@@ -214,6 +341,6 @@ def _process(spec, store, run_id, model, tokenizer, document, variant, settings_
         result.layer_stats,
     )
     if config.method == "full":
-        for other_row, output in store.compressed_outputs(document.document_id, document.content_hash, settings_hash):
+        for other_row, output in store.compressed_outputs(document.document_id, prepared.prompt_hash, settings_hash):
             store.set_similarity(other_row, rouge_l(output, result.output))
     return "done", result.decode_tokens_per_second

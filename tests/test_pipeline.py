@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from pipeline.cli import cli
 from pipeline.runner import EXIT_BAD_INPUT, EXIT_DOCUMENT_FAILED, EXIT_LOCKED, JobError, run_job
 from pipeline.spec import SpecError, load_spec, parse_spec
-from pipeline.store import Store
+from pipeline.store import MIGRATIONS, Store
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -90,7 +90,7 @@ def test_run_fills_every_table_and_view(job, tmp_path):
     assert [b for _, b in budgets] == sorted([b for _, b in budgets], reverse=True)
     assert sum(b for _, b in budgets) == 24 * 4
     assert rows(db, "select count(*) from layer_stats where tokens_kept > layer_budget and method != 'full'") == [(0,)]
-    assert rows(db, "select count(*) from _velox_migrations") == [(2,)]
+    assert rows(db, "select count(*) from _velox_migrations") == [(len(MIGRATIONS),)]
     assert "[4/4] doc-3" in result.output  # plain progress lines when not on a terminal
 
 
@@ -156,12 +156,16 @@ def test_killed_run_resumes_with_nothing_lost_or_doubled(job, tmp_path):
     stored = rows(db, "select count(*) from documents")[0][0]
     assert 5 <= stored < 120
     assert rows(db, "select status from runs") == [("running",)]
+    with sqlite3.connect(db) as conn:  # as if it had been killed long ago
+        conn.execute("update documents set created_at = '2001-01-01T00:00:00+00:00'")
     resumed = invoke("run", path, "-q")
     assert resumed.exit_code == 0, resumed.output
     assert rows(db, "select count(*), count(distinct doc_key) from documents") == [(120, 120)]
     assert rows(db, "select count(*) from documents where status != 'done'") == [(0,)]
     assert rows(db, "select count(*) from layer_stats") == [(120 * 4,)]
     assert rows(db, "select id, status from runs order by id") == [(1, "interrupted"), (2, "done")]
+    # the killed run ended when it stored its last document, not when the next run started
+    assert rows(db, "select ended_at from runs where id = 1") == [("2001-01-01T00:00:00+00:00",)]
     assert rows(db, "select documents_unchanged + documents_done from runs where id = 2") == [(120,)]
 
 
