@@ -3,10 +3,12 @@
 import mlx.core as mx
 import numpy as np
 import pytest
+import yaml
 
 import velox_cache
 from pipeline.generation import Reference, generate, prefill, teacher_force
 from pipeline.spec import GenerationSpec
+from tests.test_pipeline import invoke, rows, write_corpus
 from velox_cache import KVCacheBuilder, KVCacheConfig
 
 SETTINGS = GenerationSpec(max_tokens=12, temperature=0.0, seed=0, prefill_step_size=16)
@@ -109,3 +111,50 @@ def test_teacher_force_scores_the_reference_logprobs():
     expected_gap = ((-0.1 - np.log(0.7)) + (-0.2 - np.log(0.1)) + (-0.3 - np.log(0.7))) / 3
     assert fidelity.nll_gap == pytest.approx(expected_gap, rel=1e-4)
     assert vocab == first.shape[-1]
+
+
+def test_the_store_records_fidelity_for_every_compressed_document(tmp_path, tiny_model_dir):
+    """A job with a full variant: agreement and NLL gap per compressed row, their means in the views."""
+    corpus = write_corpus(tmp_path / "corpus.parquet", n=3)
+    spec = {
+        "name": "fidelity-job",
+        "model": str(tiny_model_dir),
+        "input": {"path": str(corpus), "id_column": "id", "text_column": "text",
+                  "prompt_template": "{text}\nSummarize."},
+        "generation": {"max_tokens": 8, "prefill_step_size": 16},
+        "variants": [
+            {"name": "pyramid", "method": "pyramidkv", "budget": 12},  # listed first: full still runs first
+            {"name": "full", "method": "full"},
+            {"name": "squeeze", "method": "squeeze", "budget": 12},
+        ],
+        "output": {"db": str(tmp_path / "store.db")},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    result = invoke("run", path)
+    assert result.exit_code == 0, result.output
+    db = tmp_path / "store.db"
+    compressed = rows(db, "select agreement_vs_full, nll_gap_vs_full from documents where method != 'full'")
+    assert len(compressed) == 6
+    assert all(a is not None and 0.0 <= a <= 1.0 and g is not None for a, g in compressed)
+    assert rows(db, "select count(*) from documents where method = 'full' and agreement_vs_full is not null") == [(0,)]
+    summary = dict(rows(db, "select variant, mean_agreement_vs_full from method_summary"))
+    means = dict(rows(db, "select variant, round(avg(agreement_vs_full), 3) from documents group by variant"))
+    assert summary == means and summary["full"] is None
+    assert rows(db, "select mean_agreement_vs_full is not null from run_summary") == [(1,)]
+
+
+def test_a_job_without_a_full_variant_leaves_fidelity_empty(tmp_path, tiny_model_dir):
+    corpus = write_corpus(tmp_path / "corpus.parquet", n=2)
+    spec = {
+        "name": "no-full",
+        "model": str(tiny_model_dir),
+        "input": {"path": str(corpus), "id_column": "id", "text_column": "text"},
+        "generation": {"max_tokens": 4, "prefill_step_size": 16},
+        "variants": [{"name": "pyramid", "method": "pyramidkv", "budget": 12}],
+        "output": {"db": str(tmp_path / "store.db")},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert invoke("run", path).exit_code == 0
+    assert rows(tmp_path / "store.db", "select agreement_vs_full, nll_gap_vs_full from documents") == [(None, None)] * 2
