@@ -624,12 +624,14 @@ def recent_runs(path, limit: int = 10):
 
 def document_variants(path, document_id: str):
     """``(columns, rows)``: one document's latest row per variant."""
-    _, found = read_only_query(path, "select count(*) from pragma_table_info('documents') where name = 'is_latest'")
-    latest = " and is_latest = 1" if found[0][0] else ""  # a store not yet migrated by a run has no history marks
+    _, found = read_only_query(path, "select name from pragma_table_info('documents')")
+    present = {name for (name,) in found}
+    latest = " and is_latest = 1" if "is_latest" in present else ""  # a store not yet migrated by a run
+    fidelity = [c for c in ("agreement_vs_full", "nll_gap_vs_full", "rouge_l_vs_full") if c in present]
     return read_only_query(
         path,
         "select id, variant, status, error, prompt_tokens, output_tokens, compression_ratio, "
-        f"rouge_l_vs_full, output from documents where document_id = ?{latest} order by id",
+        f"{', '.join(fidelity)}, output from documents where document_id = ?{latest} order by id",
         [document_id],
     )
 

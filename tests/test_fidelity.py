@@ -158,3 +158,21 @@ def test_a_job_without_a_full_variant_leaves_fidelity_empty(tmp_path, tiny_model
     path.write_text(yaml.safe_dump(spec))
     assert invoke("run", path).exit_code == 0
     assert rows(tmp_path / "store.db", "select agreement_vs_full, nll_gap_vs_full from documents") == [(None, None)] * 2
+
+
+def test_show_prints_fidelity(tmp_path, tiny_model_dir):
+    corpus = write_corpus(tmp_path / "corpus.parquet", n=1)
+    spec = {
+        "name": "show-fidelity",
+        "model": str(tiny_model_dir),
+        "input": {"path": str(corpus), "id_column": "id", "text_column": "text"},
+        "generation": {"max_tokens": 4, "prefill_step_size": 16},
+        "variants": [{"name": "full", "method": "full"}, {"name": "pyramid", "method": "pyramidkv", "budget": 12}],
+        "output": {"db": str(tmp_path / "store.db")},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert invoke("run", path).exit_code == 0
+    shown = invoke("show", "doc-0", "--db", tmp_path / "store.db")
+    assert shown.exit_code == 0, shown.output
+    assert shown.output.count("agreement_vs_full: ") == 1 and "nll_gap_vs_full: " in shown.output
