@@ -18,9 +18,9 @@ with less work:
 - normalisation is deferred: unnormalised weights times ``[values | 1]`` give
   the output and the row sums in one matmul, and only the ``[S, D]`` output is
   divided;
-- what scoring needs (each key's attention mass over the last rows, the
-  entropy of a few sampled rows) comes out of the same pass, block by block,
-  so no ``[S, N]`` probabilities are ever held.
+- what scoring needs comes with it: each key's attention mass over the last
+  rows from the same pass, block by block, and the entropy of a few sampled
+  rows from those rows alone, so no ``[S, N]`` probabilities are ever held.
 
 Shapes: ``B`` batch, ``H`` KV heads, ``R`` query heads per KV head (GQA group),
 ``S`` queries, ``N`` keys, ``D`` head dim. Within a block the score rows are
@@ -148,18 +148,18 @@ def blocked_attention(
         causal=isinstance(mask, str),
         array_mask=_mask_rows(mask, n_kv_heads, group, n_queries, n_keys) if isinstance(mask, mx.array) else None,
         score_from=n_queries - score_rows if score_rows else n_queries,
-        entropy_rows=entropy_rows,
     )
-    block = max(rows_per_block or block_rows(n_queries, n_keys, n_q_heads), entropy_rows)
+    block = rows_per_block or block_rows(n_queries, n_keys, n_q_heads)
     outputs, masses, entropy = [], [], None
     for stop in range(n_queries, 0, -block):
         start = max(0, stop - block)
-        if values is None and stop <= call.score_from and not (entropy_rows and stop == n_queries):
+        if values is None and stop <= call.score_from:
             continue
-        out, block_masses, block_entropy = _attend_block(call, start, stop)
+        out, block_masses = _attend_block(call, start, stop)
         outputs.append(out)
         masses += block_masses
-        entropy = block_entropy if block_entropy is not None else entropy
+    if entropy_rows:
+        entropy = _sampled_entropy(call, n_queries - entropy_rows, n_queries)
 
     output = None
     if values is not None:
@@ -181,7 +181,6 @@ class _Call:
     causal: bool
     array_mask: Optional[mx.array]  # [B|1, H|1, S, R|1, N] additive float32
     score_from: int  # first query row whose attention feeds the key mass
-    entropy_rows: int
 
     @property
     def n_queries(self) -> int:
@@ -203,7 +202,7 @@ def _with_ones(values: mx.array) -> mx.array:
 
 
 def _attend_block(call: _Call, start: int, stop: int):
-    """Output rows, key-mass parts and sampled entropy for the queries ``[start, stop)``."""
+    """Output rows and key-mass parts for the queries ``[start, stop)``."""
     batch, n_kv_heads, n_queries, group, dim = call.q.shape
     rows = stop - start
     q_block = call.q[:, :, start:stop].reshape(batch, n_kv_heads, rows * group, dim)
@@ -237,10 +236,7 @@ def _attend_block(call: _Call, start: int, stop: int):
         for w, first_key in weights:
             mass = (row_weight @ w).squeeze(2)  # [B, H, part]
             masses.append(mx.pad(mass, [(0, 0), (0, 0), (first_key, call.n_keys - first_key - mass.shape[-1])]))
-    entropy = None
-    if call.entropy_rows and stop == n_queries:
-        entropy = _sampled_entropy(parts, weights, block_max, row_sum, call.entropy_rows * group, call.n_keys)
-    return out, masses, entropy
+    return out, masses
 
 
 def _score_parts(call: _Call, q_block: mx.array, start: int, stop: int):
@@ -271,18 +267,27 @@ def _score_parts(call: _Call, q_block: mx.array, start: int, stop: int):
     return [(scores, 0)]
 
 
-def _sampled_entropy(parts, weights, block_max, row_sum, n_rows: int, n_keys: int) -> mx.array:
-    """Sum over the block's last ``n_rows`` score rows of each row's entropy / log(N).
+def _sampled_entropy(call: _Call, start: int, stop: int) -> mx.array:
+    """Sum over queries ``[start, stop)`` and the group of each row's entropy / log(N).
 
-    With ``w = exp(x)`` and ``p = w / l``: ``-sum p log p = log l - sum(w x) / l``.
+    A few rows, scored on their own: tying them to a big block's buffers would
+    keep those alive until the whole graph is evaluated. With ``w = exp(x)``
+    and ``p = w / l``: ``-sum p log p = log l - sum(w x) / l``.
     """
-    if n_keys < 2:
+    if call.n_keys < 2:
         return mx.array(0.0)
-    weighted = None
-    for (scores, _), (w, _) in zip(parts, weights):
-        x = mx.maximum(scores[:, :, -n_rows:] - block_max[:, :, -n_rows:], CUTOFF / 2**SQUARINGS) * 2**SQUARINGS
-        part = (w[:, :, -n_rows:] * x).sum(axis=-1, keepdims=True)
-        weighted = part if weighted is None else weighted + part
-    row_sum = row_sum[:, :, -n_rows:]
+    batch, n_kv_heads, _, group, dim = call.q.shape
+    q_rows = call.q[:, :, start:stop].reshape(batch, n_kv_heads, (stop - start) * group, dim)
+    parts = _score_parts(call, q_rows, start, stop)
+    sample_max = None
+    for scores, _ in parts:
+        part_max = scores.max(axis=-1, keepdims=True)
+        sample_max = part_max if sample_max is None else mx.maximum(sample_max, part_max)
+    row_sum = weighted = 0.0
+    for scores, _ in parts:
+        x = mx.maximum(scores - sample_max, CUTOFF / 2**SQUARINGS)
+        w = _fast_exp(x, 0.0)
+        row_sum = row_sum + w.sum(axis=-1, keepdims=True)
+        weighted = weighted + (w * x).sum(axis=-1, keepdims=True) * 2**SQUARINGS
     entropy = mx.log(row_sum) - weighted / row_sum
-    return entropy.sum() / math.log(n_keys)
+    return entropy.sum() / math.log(call.n_keys)
