@@ -13,7 +13,7 @@ import pytest
 
 from velox_cache import attend_and_score
 from velox_cache.attention import attention_probs, key_mass, normalized_entropy
-from velox_cache.kernel import blocked_attention, fast_exp
+from velox_cache.kernel import blocked_attention, fast_exp, row_max
 
 TOLERANCE = {mx.float32: 2e-5, mx.float16: 1e-3, mx.bfloat16: 8e-3}
 
@@ -138,3 +138,21 @@ def test_entropy_of_uniform_attention_is_one():
     result = attend_and_score(mx.ones((1, 2, 4, 8)), keys, None, scale=1.0, entropy_rows=4)
     assert result.entropy.item() / result.entropy_rows == pytest.approx(1.0, abs=1e-5)
     assert math.isclose(result.entropy_rows, 8)
+
+
+def test_two_streams_give_the_same_attention(monkeypatch):
+    queries, keys, values, _ = _inputs(3, 3, 37, 101, 32, None)
+    one = attend_and_score(queries, keys, values, scale=0.2, mask="causal", score_rows=20)
+    monkeypatch.setenv("VELOX_ATTENTION_STREAMS", "2")
+    two = attend_and_score(queries, keys, values, scale=0.2, mask="causal", score_rows=20)
+    assert mx.array_equal(one.output, two.output).item()
+    assert mx.allclose(one.key_mass, two.key_mass, atol=1e-6).item()
+    monkeypatch.setenv("VELOX_ATTENTION_STREAMS", "3")
+    with pytest.raises(ValueError, match="VELOX_ATTENTION_STREAMS"):
+        attend_and_score(queries, keys, values, scale=0.2)
+
+
+@pytest.mark.parametrize("length", [1, 63, 128, 129, 1001, 4097])
+def test_row_max_is_the_maximum(length):
+    scores = mx.random.normal((2, 3, length))
+    assert mx.array_equal(row_max(scores), scores.max(axis=-1, keepdims=True)).item()

@@ -27,6 +27,7 @@ from .attention import Mask
 
 ENVIRONMENT_VARIABLE = "VELOX_ATTENTION"
 MODES = ("fast", "exact")
+STREAMS_VARIABLE = "VELOX_ATTENTION_STREAMS"  # 2: split the kernel's elementwise work over two CPU streams
 EXACT_SCORE_BLOCK = 64  # query rows per block when the exact path computes scores
 
 
@@ -57,6 +58,19 @@ def attention_mode() -> str:
     return mode
 
 
+def kernel_streams() -> int:
+    """CPU streams the kernel uses, 1 (default) or 2, from ``VELOX_ATTENTION_STREAMS``.
+
+    Two streams run half of each block's elementwise work in parallel (MLX runs
+    elementwise ops on one thread per stream); on a contended 2-core machine it
+    did not measure faster, so it is off unless asked for.
+    """
+    streams = os.environ.get(STREAMS_VARIABLE) or "1"
+    if streams not in ("1", "2"):
+        raise ValueError(f"{STREAMS_VARIABLE}: {streams!r} is not 1 or 2")
+    return int(streams)
+
+
 def uses_kernel() -> bool:
     """True when attention runs on Velox's kernel: the CPU backend, not in exact mode."""
     return mx.default_device() == mx.cpu and attention_mode() == "fast"
@@ -82,7 +96,14 @@ def attend_and_score(
     score_rows, entropy_rows = min(score_rows, n_queries), min(entropy_rows, n_queries)
     if uses_kernel():
         output, key_mass, entropy = kernel.blocked_attention(
-            queries, keys, values, scale=scale, mask=mask, score_rows=score_rows, entropy_rows=entropy_rows
+            queries,
+            keys,
+            values,
+            scale=scale,
+            mask=mask,
+            score_rows=score_rows,
+            entropy_rows=entropy_rows,
+            two_streams=kernel_streams() == 2,
         )
     else:
         output = None

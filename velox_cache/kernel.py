@@ -29,7 +29,9 @@ ordered (query, group): ``[B, H, rows * R, keys]``.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -42,6 +44,7 @@ TAYLOR_DEGREE = 6
 CUTOFF = -64.0  # arguments below count as exp(-64) (masked keys too): the polynomial stays monotone above
 BLOCK_ELEMENTS = 2**19  # scores per block (2 MiB of float32): a block's intermediates stay in cache
 MIN_BLOCK_ROWS = 16
+MIN_SPLIT_ROWS = 2  # query rows from which a block's elementwise work is split over two streams
 ONES_COLUMN_ROWS = 64  # from this many score rows per call, row sums come from the values matmul
 MAX_HALVINGS, MIN_HALF = 4, 64  # row_max folds rows in halves down to at least this length
 _TAYLOR = [1.0 / math.factorial(i) for i in range(TAYLOR_DEGREE + 1)]
@@ -77,14 +80,18 @@ def row_max(scores: mx.array) -> mx.array:
     MLX's CPU max-reduction runs a serial chain; folding halves together with
     elementwise ``maximum`` first does most of the work at elementwise speed.
     """
+    odd_columns = None
     for _ in range(MAX_HALVINGS):
         length = scores.shape[-1]
         half = length // 2
         if half < MIN_HALF:
             break
-        folded = mx.maximum(scores[..., :half], scores[..., half : 2 * half])
-        scores = mx.concatenate([folded, scores[..., 2 * half :]], axis=-1) if length % 2 else folded
-    return scores.max(axis=-1, keepdims=True)
+        if length % 2:
+            last = scores[..., -1:]
+            odd_columns = last if odd_columns is None else mx.maximum(odd_columns, last)
+        scores = mx.maximum(scores[..., :half], scores[..., half : 2 * half])
+    result = scores.max(axis=-1, keepdims=True)
+    return result if odd_columns is None else mx.maximum(result, odd_columns)
 
 
 def block_rows(n_queries: int, n_keys: int, n_q_heads: int) -> int:
@@ -118,6 +125,7 @@ def blocked_attention(
     score_rows: int = 0,
     entropy_rows: int = 0,
     rows_per_block: Optional[int] = None,
+    two_streams: bool = False,
 ):
     """Attention of ``queries`` ``[B, H*R, S, D]`` over ``keys``/``values`` ``[B, H, N, D]``.
 
@@ -130,7 +138,8 @@ def blocked_attention(
 
     ``mask`` is None, ``"causal"`` (lower-right aligned: the queries are the
     last ``S`` of the ``N`` positions) or an array broadcastable to
-    ``[B, H*R, S, N]``, boolean (True = attend) or additive.
+    ``[B, H*R, S, N]``, boolean (True = attend) or additive. ``two_streams``
+    runs half of each block's elementwise work on a second CPU stream.
     """
     batch, n_q_heads, n_queries, dim = queries.shape
     n_kv_heads, n_keys = keys.shape[1], keys.shape[2]
@@ -148,6 +157,7 @@ def blocked_attention(
         causal=isinstance(mask, str),
         array_mask=_mask_rows(mask, n_kv_heads, group, n_queries, n_keys) if isinstance(mask, mx.array) else None,
         score_from=n_queries - score_rows if score_rows else n_queries,
+        second_stream=_second_stream() if two_streams else None,
     )
     block = rows_per_block or block_rows(n_queries, n_keys, n_q_heads)
     outputs, masses, entropy = [], [], None
@@ -181,6 +191,7 @@ class _Call:
     causal: bool
     array_mask: Optional[mx.array]  # [B|1, H|1, S, R|1, N] additive float32
     score_from: int  # first query row whose attention feeds the key mass
+    second_stream: Optional[mx.Stream] = None  # where half of each block's elementwise work runs
 
     @property
     def n_queries(self) -> int:
@@ -189,6 +200,16 @@ class _Call:
     @property
     def n_keys(self) -> int:
         return self.keys_t.shape[-1]
+
+
+_streams = threading.local()
+
+
+def _second_stream() -> mx.Stream:
+    """This thread's second CPU stream (MLX streams belong to the thread that made them)."""
+    if getattr(_streams, "stream", None) is None:
+        _streams.stream = mx.new_stream(mx.cpu)
+    return _streams.stream
 
 
 def _float32(array: mx.array) -> mx.array:
@@ -202,41 +223,70 @@ def _with_ones(values: mx.array) -> mx.array:
 
 
 def _attend_block(call: _Call, start: int, stop: int):
-    """Output rows and key-mass parts for the queries ``[start, stop)``."""
+    """Output rows and key-mass parts for the queries ``[start, stop)``.
+
+    With a second stream, the block's score rows are halved after the scores
+    matmul, and the second half's elementwise work (row maximum, exp) runs on
+    that stream, in parallel: MLX runs elementwise ops on one thread per stream.
+    """
     batch, n_kv_heads, n_queries, group, dim = call.q.shape
     rows = stop - start
     q_block = call.q[:, :, start:stop].reshape(batch, n_kv_heads, rows * group, dim)
     parts = _score_parts(call, q_block, start, stop)
+    split = (rows // 2) * group if call.second_stream is not None and rows >= MIN_SPLIT_ROWS else 0
+    halves = [(start, start + split // group, None), (start + split // group, stop, call.second_stream)]
+    outs, masses = [], []
+    for first, last, stream in halves if split else halves[1:2]:
+        lo, hi = (first - start) * group, (last - start) * group
+        with mx.stream(stream) if stream is not None else contextlib.nullcontext():
+            weights = _weights([(scores[:, :, lo:hi], first_key) for scores, first_key in parts])
+        out, row_sum = _weighted_values(call, weights, dim)
+        outs.append(out)
+        if last > call.score_from:
+            masses += _key_masses(call, weights, row_sum, first, last)
+    out = None if outs[0] is None else (mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0])
+    return out, masses
+
+
+def _weights(parts):
+    """Unnormalised attention weights ``exp(scores - row max)`` of a row range, part by part."""
     block_max = None
     for scores, _ in parts:
         part_max = row_max(scores)
         block_max = part_max if block_max is None else mx.maximum(block_max, part_max)
-    weights = [(_fast_exp(scores, block_max), first_key) for scores, first_key in parts]  # unnormalised
+    return [(_fast_exp(scores, block_max), first_key) for scores, first_key in parts]
 
+
+def _weighted_values(call: _Call, weights, dim: int):
+    """``(output [B, H, rows*R, D] or None, row sums [B, H, rows*R, 1])``."""
     out = None
     if call.values_1 is not None:
         for w, first_key in weights:
             part = w @ call.values_1[:, :, first_key : first_key + w.shape[-1]]
             out = part if out is None else out + part
         row_sum = out[..., dim:]
-        out = out[..., :dim] / row_sum  # [B, H, rows*R, D]
-    else:
-        row_sum = sum(w.sum(axis=-1, keepdims=True) for w, _ in weights)
-        if call.values is not None:
-            for w, first_key in weights:
-                part = w @ call.values[:, :, first_key : first_key + w.shape[-1]]
-                out = part if out is None else out + part
-            out = out / row_sum
-
-    masses = []
-    if stop > call.score_from:
-        scored = mx.arange(start, stop)[:, None] >= call.score_from
-        row_weight = mx.where(scored, 1.0 / row_sum.reshape(batch, n_kv_heads, rows, group), 0.0)
-        row_weight = row_weight.reshape(batch, n_kv_heads, 1, rows * group)
+        return out[..., :dim] / row_sum, row_sum
+    row_sum = sum(w.sum(axis=-1, keepdims=True) for w, _ in weights)
+    if call.values is not None:
         for w, first_key in weights:
-            mass = (row_weight @ w).squeeze(2)  # [B, H, part]
-            masses.append(mx.pad(mass, [(0, 0), (0, 0), (first_key, call.n_keys - first_key - mass.shape[-1])]))
-    return out, masses
+            part = w @ call.values[:, :, first_key : first_key + w.shape[-1]]
+            out = part if out is None else out + part
+        out = out / row_sum
+    return out, row_sum
+
+
+def _key_masses(call: _Call, weights, row_sum, start: int, stop: int) -> list:
+    """Attention mass ``[B, H, N]`` per part from the queries ``[start, stop)`` at or after ``score_from``."""
+    batch, n_kv_heads = row_sum.shape[:2]
+    rows = stop - start
+    scored = mx.arange(start, stop)[:, None] >= call.score_from
+    row_weight = mx.where(scored, 1.0 / row_sum.reshape(batch, n_kv_heads, rows, -1), 0.0)
+    row_weight = row_weight.reshape(batch, n_kv_heads, 1, -1)
+    masses = []
+    for w, first_key in weights:
+        mass = (row_weight @ w).squeeze(2)  # [B, H, part]
+        masses.append(mx.pad(mass, [(0, 0), (0, 0), (first_key, call.n_keys - first_key - mass.shape[-1])]))
+    return masses
 
 
 def _score_parts(call: _Call, q_block: mx.array, start: int, stop: int):
@@ -285,9 +335,9 @@ def _sampled_entropy(call: _Call, start: int, stop: int) -> mx.array:
         sample_max = part_max if sample_max is None else mx.maximum(sample_max, part_max)
     row_sum = weighted = 0.0
     for scores, _ in parts:
-        x = mx.maximum(scores - sample_max, CUTOFF / 2**SQUARINGS)
-        w = _fast_exp(x, 0.0)
+        w = _fast_exp(scores, sample_max)
+        x = mx.maximum(scores - sample_max, CUTOFF / 2**SQUARINGS) * 2**SQUARINGS  # exp's argument
         row_sum = row_sum + w.sum(axis=-1, keepdims=True)
-        weighted = weighted + (w * x).sum(axis=-1, keepdims=True) * 2**SQUARINGS
+        weighted = weighted + (w * x).sum(axis=-1, keepdims=True)
     entropy = mx.log(row_sum) - weighted / row_sum
     return entropy.sum() / math.log(call.n_keys)
