@@ -40,18 +40,21 @@ def policy_config(policy: str, budget: int, scoring: str) -> KVCacheConfig:
     return KVCacheConfig(method=method, budget=budget, scoring=scoring, **extra)
 
 
+def _velox_caches(config: KVCacheConfig):
+    return lambda model: KVCacheBuilder.for_model(model, config)
+
+
 def variants(policies, budgets, scorings):
     """``(policy, budget, scoring, make_caches(model), context scoring)`` for every row after the baseline."""
     for policy in policies:
         if policy == "plain+fast":
             yield policy, "-", "-", lambda model: [KVCache() for _ in model.layers], "fast"
         elif policy == "full":
-            yield policy, "-", "-", lambda model: KVCacheBuilder.for_model(model, KVCacheConfig(method="full")), "fast"
+            yield policy, "-", "-", _velox_caches(KVCacheConfig(method="full")), "fast"
         else:
             for budget in budgets:
                 for scoring in scorings:
-                    config = policy_config(policy, budget, scoring)
-                    yield policy, budget, scoring, (lambda c: lambda model: KVCacheBuilder.for_model(model, c))(config), scoring
+                    yield policy, budget, scoring, _velox_caches(policy_config(policy, budget, scoring)), scoring
 
 
 def best_of(repeats: int, run):
@@ -93,7 +96,11 @@ def main(argv=None):
         base_prefill, base_decode, base_peak = best_of(
             args.repeats, lambda: timed_run(model, prompt, [KVCache() for _ in model.layers], scoring="plain", **timing)
         )
-        print(f"| {length} | plain KVCache | - | - | {base_prefill:.2f} | 1.00x | {base_decode * 1e3:.1f} | 1.00x | {base_peak / 2**20:.0f} |", flush=True)
+        print(
+            f"| {length} | plain KVCache | - | - | {base_prefill:.2f} | 1.00x | {base_decode * 1e3:.1f} | 1.00x | "
+            f"{base_peak / 2**20:.0f} |",
+            flush=True,
+        )
         for policy, budget, scoring, make_caches, context in variants(args.policies, args.budgets, args.scorings):
             prefill, decode, peak = best_of(
                 args.repeats, lambda: timed_run(model, prompt, make_caches(model), scoring=context, **timing)

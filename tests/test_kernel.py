@@ -156,3 +156,14 @@ def test_two_streams_give_the_same_attention(monkeypatch):
 def test_row_max_is_the_maximum(length):
     scores = mx.random.normal((2, 3, length))
     assert mx.array_equal(row_max(scores), scores.max(axis=-1, keepdims=True)).item()
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "bool-per-sequence"])
+def test_batch_of_two(mask_kind):
+    mx.random.seed(4)
+    queries = mx.random.normal((2, 6, 20, 16))
+    keys, values = mx.random.normal((2, 2, 50, 16)), mx.random.normal((2, 2, 50, 16))
+    mask = "causal" if mask_kind == "causal" else (mx.random.uniform(shape=(2, 1, 20, 50)) > 0.4) | (mx.arange(50) == 0)
+    output, mass, _ = blocked_attention(queries, keys, values, scale=0.25, mask=mask, score_rows=20, rows_per_block=16)
+    assert mx.allclose(output, _sdpa(queries, keys, values, 0.25, mask), atol=2e-5).item()
+    assert mx.allclose(mass, key_mass(attention_probs(queries, keys, 0.25, mask)), atol=1e-5).item()

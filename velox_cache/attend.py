@@ -128,7 +128,8 @@ def _exact_scores(queries, keys, scale, mask, score_rows: int, entropy_rows: int
         start = max(first, stop - block)
         # a causal block sees the keys up to its last query: lower-right aligned again
         visible = n_keys - n_queries + stop if isinstance(mask, str) else n_keys
-        probs = attention.attention_probs(queries[:, :, start:stop], keys[:, :, :visible], scale, _rows_of(mask, start, stop))
+        rows_mask = _rows_of(mask, start, stop)
+        probs = attention.attention_probs(queries[:, :, start:stop], keys[:, :, :visible], scale, rows_mask)
         if stop > n_queries - score_rows:
             mass = attention.key_mass(probs[:, :, :, max(0, n_queries - score_rows - start) :])  # [B, H, visible]
             mass = mx.pad(mass, [(0, 0), (0, 0), (0, n_keys - visible)]) if visible < n_keys else mass
