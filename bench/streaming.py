@@ -5,9 +5,11 @@ as `make bench` does). Not tests: nothing here asserts on time.
 
 * ``cost``: prefill time, prompt tokens/s, decode time per token and peak MLX
   memory against prompt length, for streaming PyramidKV and SqueezeAttention,
-  PyramidKV at prefill end and plain mlx-lm ``KVCache`` (the last two only
-  where the prompt fits the model's context). Ratios are to plain at the same
-  length, and to the same variant at ``--reference`` tokens.
+  PyramidKV at prefill end, plain mlx-lm ``KVCache`` on mlx-lm's attention
+  (``plain``) and Velox's ``full`` cache on Velox's attention (the job's full
+  variant); all but streaming only where the prompt fits the model's context.
+  Ratios are to plain at the same length, and to the same variant at
+  ``--reference`` tokens.
 * ``needle``: a six-digit code hidden at spread depths of prose documents of
   each length, asked for after the document; accuracy of every variant, and
   relative to the full cache where the full cache can run.
@@ -55,10 +57,10 @@ def split_prompt(tokenizer, text: str, instruction: str):
 
 
 def variants(budget: int, names: list[str]) -> dict:
-    """Name -> cache config (None: plain mlx-lm KVCache)."""
+    """Name -> cache config (None: plain mlx-lm ``KVCache`` on mlx-lm's own attention)."""
     table = {
         "plain": None,
-        "full": None,
+        "full": KVCacheConfig(method="full"),  # what the job runner's full variant runs (Velox attention)
         "prefill_end:pyramidkv": KVCacheConfig(method="pyramidkv", budget=budget),
         "prefill_end:squeeze": KVCacheConfig(method="squeeze", budget=budget),
         "streaming:pyramidkv": KVCacheConfig(method="pyramidkv", budget=budget, eviction="streaming"),
@@ -73,7 +75,20 @@ def variants(budget: int, names: list[str]) -> dict:
 def build_caches(model, config, scoring):
     if config is None:
         return [KVCache() for _ in model.layers]
+    if config.method == "full":
+        return KVCacheBuilder.for_model(model, config)
     return KVCacheBuilder.for_model(model, dataclasses.replace(config, scoring=scoring))
+
+
+def context_for(config, scoring: str) -> str:
+    """What ``scoring_context`` runs a variant under: mlx-lm untouched for plain, Velox attention otherwise."""
+    if config is None:
+        return "plain"
+    return "key_proxy" if config.method == "full" else scoring
+
+
+def is_streaming(config) -> bool:
+    return config is not None and config.eviction == "streaming"
 
 
 def fits(model, prompt, new_tokens: int) -> bool:
@@ -115,7 +130,7 @@ def cost(args):
     model, tokenizer = load_default_model()
     chosen = variants(args.budget, args.variants)
     warm = split_prompt(tokenizer, prose(300, tokenizer), INSTRUCTION)
-    run_once(model, warm, [KVCache() for _ in model.layers], scoring="key_proxy", chunk=args.chunk, decode_steps=2)
+    run_once(model, warm, [KVCache() for _ in model.layers], scoring="plain", chunk=args.chunk, decode_steps=2)
     results = {}
     print(f"Prefill cost, SmolLM2-135M, budget {args.budget}, chunks of {args.chunk}, {args.scoring} scoring\n")
     print("| prompt tokens | variant | prefill s | prompt tok/s | vs plain | decode ms/token | peak MiB above weights |")
@@ -123,13 +138,12 @@ def cost(args):
     for length in args.lengths:
         prompt = split_prompt(tokenizer, prose(length, tokenizer), INSTRUCTION)
         for name, config in chosen.items():
-            streams = config is not None and config.eviction == "streaming"
-            if not streams and not fits(model, prompt, args.decode_steps + 1):
+            if not is_streaming(config) and not fits(model, prompt, args.decode_steps + 1):
                 print(f"| {len(prompt.tokens)} | {name} | beyond the context | - | - | - | - |", flush=True)
                 continue
             runs = [
-                run_once(model, prompt, build_caches(model, config, args.scoring), scoring=args.scoring,
-                         chunk=args.chunk, decode_steps=args.decode_steps)
+                run_once(model, prompt, build_caches(model, config, args.scoring),
+                         scoring=context_for(config, args.scoring), chunk=args.chunk, decode_steps=args.decode_steps)
                 for _ in range(args.repeats)
             ]
             prefill = min(r[0] for r in runs)
@@ -165,11 +179,11 @@ def needle(args):
             case = make_needle_case(tokenizer, seed=i, n_tokens=max(64, length - 64), depth=depth)
             prompt = split_prompt(tokenizer, case.document, case.question)
             for name, config in chosen.items():
-                streams = config is not None and config.eviction == "streaming"
-                if not streams and not fits(model, prompt, args.max_tokens):
+                if not is_streaming(config) and not fits(model, prompt, args.max_tokens):
                     continue
                 _, _, _, tokens = run_once(model, prompt, build_caches(model, config, args.scoring),
-                                           scoring=args.scoring, chunk=args.chunk, decode_steps=args.max_tokens)
+                                           scoring=context_for(config, args.scoring), chunk=args.chunk,
+                                           decode_steps=args.max_tokens)
                 found = case.code in tokenizer.decode(tokens)
                 hits.setdefault((length, name), []).append(found)
                 print(f"  {length} tokens, depth {depth:.0%}, {name}: {'found' if found else 'missed'}",
@@ -232,7 +246,7 @@ def main(argv=None):
     common(sub)
     sub.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     sub.add_argument("--variants", nargs="+",
-                     default=["plain", "prefill_end:pyramidkv", "streaming:pyramidkv", "streaming:squeeze"])
+                     default=["plain", "full", "prefill_end:pyramidkv", "streaming:pyramidkv", "streaming:squeeze"])
     sub.add_argument("--reference", type=int, default=4096, help="length the longest run is compared with")
     sub.add_argument("--decode-steps", type=int, default=8)
     sub.add_argument("--repeats", type=int, default=1, help="runs per configuration; the fastest counts")

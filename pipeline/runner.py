@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 from . import model_store
-from .generation import generate
+from .generation import Reference, generate
 from .platform import loaded_blas, package_version
 from .prompting import Prompt, PromptTooLong, build_prompt, tokens_hash
 from .similarity import rouge_l
@@ -348,17 +348,20 @@ def _process(spec, store, run_id, model, tokenizer, prepared, variant, settings_
         store.save_document({**row, "status": prepared.status, "error": prepared.error, "prompt_tokens": prepared.prompt_tokens}, [])
         return ("skipped" if prepared.status == "skipped" else "failed"), None
     prompt = prepared.prompt
+    full = None
     if config.method != "full":
         row["budget"] = config.resolved_for(len(prompt.tokens)).budget
+        full = store.full_reference(document.document_id, prepared.prompt_hash, settings_hash)
+    reference = None
+    if full is not None and full["token_ids"] is not None:
+        reference = Reference(full["token_ids"], full["logprobs"])
     try:
-        result = generate(model, tokenizer, prompt, config, spec.generation)
+        result = generate(model, tokenizer, prompt, config, spec.generation, reference=reference)
     except Exception as exc:  # one bad document must not stop the night's run
         store.save_document({**row, "status": "error", "error": f"{type(exc).__name__}: {exc}", "prompt_tokens": len(prompt.tokens)}, [])
         return "failed", None
-    similarity = None
-    if config.method != "full":
-        reference = store.full_output(document.document_id, prepared.prompt_hash, settings_hash)
-        similarity = rouge_l(result.output, reference) if reference is not None else None
+    similarity = rouge_l(result.output, full["output"]) if full is not None else None
+    fidelity = result.fidelity
     store.save_document(
         {
             **row,
@@ -374,6 +377,11 @@ def _process(spec, store, run_id, model, tokenizer, prepared, variant, settings_
             "peak_memory_bytes": result.peak_memory_bytes,
             "stop_reason": result.stop_reason,
             "rouge_l_vs_full": similarity,
+            "agreement_vs_full": fidelity.agreement if fidelity else None,
+            "nll_gap_vs_full": fidelity.nll_gap if fidelity else None,
+            "fidelity_seconds": fidelity.seconds if fidelity else None,
+            "output_token_ids": json.dumps(result.token_ids),
+            "output_logprobs": json.dumps([round(p, 6) for p in result.logprobs]),
             **result.totals(),
         },
         result.layer_stats,

@@ -8,14 +8,20 @@ Long documents in bounded memory (streaming prefill, phases told)::
 
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="pyramidkv", budget=512, eviction="streaming"))
     logits = prefill_phases(model, caches, prefix=p, document=d, instruction=q)
+
+Faster attention on MLX's CPU backend, with any caches::
+
+    with velox_cache.fast_attention(model):
+        mlx_lm.generate(model, tokenizer, prompt)
 """
 
+from .attend import AttentionResult, attend, attend_and_score
 from .budgets import pyramid_budgets, squeeze_budgets
 from .builder import KVCacheBuilder, KVCacheFactory
 from .config import ConfigError, KVCacheConfig
 from .coordinator import SqueezeCoordinator
 from . import phases
-from .observe import ObservationError, observe
+from .observe import ObservationError, fast_attention, observe
 from .phases import Phase
 from .policies import (
     FullKVCache,
@@ -28,8 +34,10 @@ from .policies import (
 )
 from .prefill import ContextError, model_context, prefill_phases
 from .rope import RopeError, RotaryShift
+from .snapshot import snapshot
 
 __all__ = [
+    "AttentionResult",
     "ConfigError",
     "ContextError",
     "FullKVCache",
@@ -47,10 +55,14 @@ __all__ = [
     "SqueezeCoordinator",
     "StreamingLLMCache",
     "TOVACache",
+    "attend",
+    "attend_and_score",
+    "fast_attention",
     "model_context",
     "observe",
     "phases",
     "prefill_phases",
     "pyramid_budgets",
+    "snapshot",
     "squeeze_budgets",
 ]

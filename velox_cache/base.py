@@ -28,10 +28,10 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import attention
 from .accounting import CacheAccounting
+from .attend import AttentionResult, attend_and_score
 from .config import ConfigError, KVCacheConfig
-from .observe import is_observing, shared_softmax_default
+from .observe import is_observing
 from .phases import Phase
 from .selection import WindowSelector
 from .signals import CumulativeMass
@@ -128,12 +128,8 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
     def _before_selection(self) -> None:
         """Hook run before a selection during prefill (streaming) evicts to budget."""
 
-    def _extra_rows(self, n_queries: int) -> int:
-        """Query rows a policy needs for its own measurements (beyond the ranking's)."""
-        return 0
-
-    def _observe_probs(self, probs: mx.array) -> None:
-        """Hook: every attention probability block ``[B, H, R, rows, N]`` the cache computes."""
+    def _observe_entropy(self, result: AttentionResult) -> None:
+        """Hook: the sampled entropy of a call's last ``_rows_for_concentration`` rows (``result.entropy``)."""
 
     def _extra_state(self) -> list:
         """Arrays a policy keeps beyond the slots (evaluated with ``state``)."""
@@ -281,29 +277,29 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
     def observe_attention(self, queries, keys, values, scale, mask) -> mx.array:
         """Attention for this layer's step with the real queries, scoring tokens on the way.
 
-        Called by ``velox_cache.observe`` in place of the model's attention with
-        the arrays ``update_and_fetch`` returned. On the CPU backend the
-        softmax that scores tokens is the one that computes the output, so
-        observed scoring costs no second softmax.
+        Called by ``velox_cache.observe`` (and ``fast_attention``) in place of
+        the model's attention with the arrays ``update_and_fetch`` returned.
+        With observed scoring, the scores come from the same pass as the
+        output (``attend_and_score``); otherwise this is plain attention.
         """
+        if self.scoring != "observed":
+            return attend_and_score(queries, keys, values, scale=scale, mask=mask).output
         self._awaiting_observation = False
         n_queries = queries.shape[2]
-        rows = self._rows_to_score(n_queries)
-        if rows == n_queries and shared_softmax_default():
-            probs = attention.attention_probs(queries, keys, scale, mask)
-            output = attention.attend(probs, values, queries.dtype)
-        else:
-            output = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-            probs = None
-            if rows:
-                row_mask = mask[..., -rows:, :] if isinstance(mask, mx.array) else mask
-                probs = attention.attention_probs(queries[:, :, -rows:], keys, scale, row_mask)
-        if probs is not None:
-            self._use_probs(probs, n_queries)
+        result = attend_and_score(
+            queries,
+            keys,
+            values,
+            scale=scale,
+            mask=mask,
+            score_rows=self._rows_for_scores(n_queries),
+            entropy_rows=self._rows_for_concentration(n_queries),
+        )
+        self._use_scores(result)
         self._remember_window(queries)
         if n_queries > 1 and self._evicting_now():
             self._evict_to(self._budget_in_force())
-        return output
+        return result.output
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         """The attention mask for ``N`` new tokens over the keys the next call returns."""
@@ -434,9 +430,9 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         victim = mx.argmin(self._protected_scores(), axis=-1, keepdims=True)  # [B, H, 1]
         self.slots.replace(victim, keys, values, self.offset)
 
-    def _rows_to_score(self, n_queries: int) -> int:
-        """How many of this call's last query rows need attention probabilities."""
-        return max(self._rows_for_scores(n_queries), self._extra_rows(n_queries))
+    def _rows_for_concentration(self, n_queries: int) -> int:
+        """How many of this call's last query rows sample a policy's concentration measure (squeeze)."""
+        return 0
 
     def _rows_for_scores(self, n_queries: int) -> int:
         """How many of this call's last query rows feed the token scores."""
@@ -448,22 +444,34 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         return rows
 
     def _score_with_key_proxy(self, new_keys: mx.array, held_keys: mx.array) -> None:
+        """Score by each new key standing in for its query (no queries needed)."""
         self._remember_window(new_keys)
-        rows = self._rows_to_score(new_keys.shape[2])
+        n_new = new_keys.shape[2]
+        score_rows, entropy_rows = self._rows_for_scores(n_new), self._rows_for_concentration(n_new)
+        rows = max(score_rows, entropy_rows)
         if rows:
-            probs = attention.key_proxy_probs(new_keys, held_keys, rows=rows)
-            self._use_probs(probs, new_keys.shape[2])
+            proxies = new_keys[:, :, -rows:]
+            result = attend_and_score(
+                proxies,
+                held_keys,
+                None,
+                scale=new_keys.shape[-1] ** -0.5,
+                mask="causal" if rows > 1 else None,
+                score_rows=score_rows,
+                entropy_rows=entropy_rows,
+            )
+            self._use_scores(result)
 
-    def _use_probs(self, probs: mx.array, n_queries: int) -> None:
-        """Fold attention probabilities ``[B, H, R, rows, N]`` of the last rows into scores."""
-        self._observe_probs(probs)
+    def _use_scores(self, result: AttentionResult) -> None:
+        """Fold one call's key mass ``[B, H, N]`` into the scores (or, in a probe, into its ranking)."""
+        self._observe_entropy(result)
+        if result.key_mass is None:
+            return
         if self._probe is not None:
             if self.timing.uses_probes:
-                self._probe_scores = self.selector.probe_scores(probs, self._probe.stored)
+                self._probe_scores = self.selector.probe_scores(result.key_mass, self._probe.stored)
             return
-        scored_rows = self._rows_for_scores(n_queries)
-        if scored_rows:
-            self.signal.fold(self.slots, attention.key_mass(probs[:, :, :, -scored_rows:]))  # [B, H, N]
+        self.signal.fold(self.slots, result.key_mass)
 
     def _remember_window(self, queries: mx.array) -> None:
         """Keep the latest ``window`` queries of the prompt for window-based selection."""

@@ -64,6 +64,6 @@ class WindowSelector:
         probs = attention.attention_probs(self.queries, keys, scale, visible)
         return pooled_mass(probs, self.kernel)
 
-    def probe_scores(self, probs: mx.array, n_keys: int) -> mx.array:
-        """The probe's attention ``[B, H, R, S, N]`` on the first ``n_keys`` keys (the non-probe ones), pooled."""
-        return pooled_mass(probs[..., :n_keys], self.kernel)
+    def probe_scores(self, key_mass: mx.array, n_keys: int) -> mx.array:
+        """The probe's attention mass ``[B, H, N]`` on the first ``n_keys`` keys (the non-probe ones), pooled."""
+        return attention.max_pool(key_mass[..., :n_keys], self.kernel)

@@ -6,7 +6,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .. import attention
+from ..attend import AttentionResult
 from ..base import EvictingKVCache
 from ..config import KVCacheConfig
 from ..coordinator import SqueezeCoordinator
@@ -88,16 +88,14 @@ class SqueezeAttentionCache(EvictingKVCache):
         published = self.coordinator is not None and self.coordinator.published
         return self._prefilling and self._probe is None and not published
 
-    def _extra_rows(self, n_queries: int) -> int:
+    def _rows_for_concentration(self, n_queries: int) -> int:
         return min(n_queries, CONCENTRATION_ROWS) if self._measuring() else 0
 
-    def _observe_probs(self, probs: mx.array) -> None:
-        if not self._measuring():
+    def _observe_entropy(self, result: AttentionResult) -> None:
+        if result.entropy is None or not self._measuring():
             return
-        sample = probs[:, :, :, -min(probs.shape[3], CONCENTRATION_ROWS) :]
-        entropy = attention.normalized_entropy(sample)
-        self._entropy_sum = entropy if self._entropy_sum is None else self._entropy_sum + entropy
-        self._entropy_rows += sample.size // sample.shape[-1]
+        self._entropy_sum = result.entropy if self._entropy_sum is None else self._entropy_sum + result.entropy
+        self._entropy_rows += result.entropy_rows
 
     def _extra_state(self) -> list:
         return [] if self._entropy_sum is None else [self._entropy_sum]
