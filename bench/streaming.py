@@ -97,7 +97,10 @@ def fits(model, prompt, new_tokens: int) -> bool:
 
 
 def run_once(model, prompt, caches, *, scoring, chunk, decode_steps):
-    """Prefill by phases then greedy decode; returns (prefill s, median decode s/token, peak bytes above start, tokens)."""
+    """Prefill by phases then greedy decode.
+
+    Returns (prefill s, median decode s/token, peak bytes above the start, generated tokens).
+    """
     gc.collect()  # squeeze stacks are reference cycles (coordinator <-> caches): free the last run's arrays
     mx.clear_cache()
     start_memory = mx.get_active_memory()
@@ -133,7 +136,8 @@ def cost(args):
     run_once(model, warm, [KVCache() for _ in model.layers], scoring="plain", chunk=args.chunk, decode_steps=2)
     results = {}
     print(f"Prefill cost, SmolLM2-135M, budget {args.budget}, chunks of {args.chunk}, {args.scoring} scoring\n")
-    print("| prompt tokens | variant | prefill s | prompt tok/s | vs plain | decode ms/token | peak MiB above weights |")
+    print("| prompt tokens | variant | prefill s | prompt tok/s | vs plain | decode ms/token "
+          "| peak MiB above weights |")
     print("|---|---|---|---|---|---|---|")
     for length in args.lengths:
         prompt = split_prompt(tokenizer, prose(length, tokenizer), INSTRUCTION)

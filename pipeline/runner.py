@@ -241,8 +241,8 @@ def _run_locked(spec, store, dataset, force, quiet, load_model, progress_stream,
             prepared = _prepare_all(spec, tokenizer, document, context, variants)
             outcomes, rates = [], []
             for variant in variants:
-                kind = _streams(variant.cache)
-                outcome, rate = _process(spec, store, run_id, model, tokenizer, prepared[kind], variant, settings_hash, force)
+                prompt = prepared[_streams(variant.cache)]
+                outcome, rate = _process(spec, store, run_id, model, tokenizer, prompt, variant, settings_hash, force)
                 counts[f"documents_{outcome}"] += 1
                 outcomes.append(f"{variant.name} {outcome}")
                 if rate:

@@ -57,7 +57,9 @@ def test_bad_percentage_budgets_name_the_field(value):
         KVCacheConfig(budget=value)
 
 
-@pytest.mark.parametrize("value, prompt_tokens, expected", [("25%", 1000, 250), ("12.5%", 64, 8), ("100%", 300, 300), ("1%", 10, 5)])
+@pytest.mark.parametrize(
+    "value, prompt_tokens, expected", [("25%", 1000, 250), ("12.5%", 64, 8), ("100%", 300, 300), ("1%", 10, 5)]
+)
 def test_percentage_budgets_resolve_per_prompt(value, prompt_tokens, expected):
     config = KVCacheConfig(method="pyramidkv", budget=value)
     assert config.budget_fraction == pytest.approx(float(value[:-1]) / 100)

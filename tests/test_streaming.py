@@ -15,6 +15,15 @@ STREAMING = ["pyramidkv", "squeeze", "snapkv", "h2o", "tova"]
 CHUNK = 32
 
 
+def _streaming_stack(model, method, budget, scoring):
+    config = KVCacheConfig(method=method, budget=budget, eviction="streaming", scoring=scoring)
+    return KVCacheBuilder.for_model(model, config)
+
+
+def _streaming_cache(method, budget, scoring="key_proxy"):
+    return KVCacheFactory.create(KVCacheConfig(method=method, budget=budget, eviction="streaming", scoring=scoring))
+
+
 def _context(model, scoring):
     return velox_cache.observe(model) if scoring == "observed" else contextlib.nullcontext()
 
@@ -48,7 +57,7 @@ def _generate(model, caches, parts, scoring, steps=8, **options):
 def test_budget_covering_the_prompt_gives_the_full_cache_logits(tiny_model, parts, method, scoring):
     model, _ = tiny_model
     expected = _generate(model, [KVCache() for _ in model.layers], parts, "key_proxy")
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, budget=2048, eviction="streaming", scoring=scoring))
+    caches = _streaming_stack(model, method, 2048, scoring)
     got = _generate(model, caches, parts, scoring)
     n_prompt = sum(len(p) for p in parts.values())
     assert all(c.offset == n_prompt + 8 and c.tokens_kept == n_prompt + 8 for c in caches)
@@ -60,7 +69,7 @@ def test_budget_covering_the_prompt_gives_the_full_cache_logits(tiny_model, part
 @pytest.mark.parametrize("method", ["pyramidkv", "squeeze"])
 def test_memory_stays_within_budget_chunk_and_probe_after_every_call(tiny_model, parts, method, scoring):
     model, _ = tiny_model
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, budget=24, eviction="streaming", scoring=scoring))
+    caches = _streaming_stack(model, method, 24, scoring)
     probe = len(parts["instruction"])
     seen = []
 
@@ -128,7 +137,7 @@ def test_a_probe_leaves_no_trace_when_nothing_is_evicted(eviction, scoring):
 
 @pytest.mark.parametrize("scoring", SCORINGS)
 def test_a_probe_ranks_and_evicts_then_leaves_only_document_tokens(scoring):
-    cache = KVCacheFactory.create(KVCacheConfig(method="snapkv", budget=16, eviction="streaming", scoring=scoring))
+    cache = _streaming_cache("snapkv", 16, scoring)
     before, after = _chunk_and_probe(cache, 40, 9, scoring)
     assert after["offset"] == before["offset"] == 40
     assert after["tokens_kept"] == 16
@@ -144,7 +153,7 @@ def test_a_probe_ranks_and_evicts_then_leaves_only_document_tokens(scoring):
 
 
 def test_without_a_probe_each_chunk_is_ranked_by_its_own_last_queries_before_the_next():
-    cache = KVCacheFactory.create(KVCacheConfig(method="pyramidkv", budget=16, eviction="streaming", scoring="key_proxy"))
+    cache = _streaming_cache("pyramidkv", 16)
     keys = mx.random.normal((1, 2, 40, 16))
     phases.tell([cache], "document")
     cache.update_and_fetch(keys[:, :, :24], keys[:, :, :24])
@@ -159,7 +168,7 @@ def test_without_a_probe_each_chunk_is_ranked_by_its_own_last_queries_before_the
 def test_a_probe_is_trimmed_from_plain_caches_and_refused_where_it_cannot_be():
     from mlx_lm.models.cache import ArraysCache
 
-    velox = KVCacheFactory.create(KVCacheConfig(method="pyramidkv", budget=64, eviction="streaming", scoring="key_proxy"))
+    velox = _streaming_cache("pyramidkv", 64)
     plain = KVCache()
     keys = mx.random.normal((1, 2, 10, 16))
     for cache in (velox, plain):
@@ -178,7 +187,7 @@ def test_a_probe_is_trimmed_from_plain_caches_and_refused_where_it_cannot_be():
 @pytest.mark.parametrize("scoring", SCORINGS)
 def test_squeeze_publishes_its_schedule_at_the_first_probe_from_the_first_chunk(tiny_model, parts, scoring):
     model, _ = tiny_model
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="squeeze", budget=24, eviction="streaming", scoring=scoring))
+    caches = _streaming_stack(model, "squeeze", 24, scoring)
     coordinator = caches[0].coordinator
     history = []
 
@@ -197,7 +206,7 @@ def test_squeeze_publishes_its_schedule_at_the_first_probe_from_the_first_chunk(
 
 def test_squeeze_with_a_one_chunk_document_publishes_when_decoding_starts(tiny_model, parts):
     model, _ = tiny_model
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="squeeze", budget=24, eviction="streaming", scoring="key_proxy"))
+    caches = _streaming_stack(model, "squeeze", 24, "key_proxy")
     events = []
     with_short = {**parts, "document": parts["document"][:20]}
     _generate(model, caches, with_short, "key_proxy", steps=1, after_call=lambda e, s: events.append(e))
@@ -210,7 +219,7 @@ def test_squeeze_with_a_one_chunk_document_publishes_when_decoding_starts(tiny_m
 def test_past_the_context_positions_are_compacted_and_stay_inside_it(tiny_model, parts, scoring):
     model, _ = tiny_model
     context = 160
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="pyramidkv", budget=16, eviction="streaming", scoring=scoring))
+    caches = _streaming_stack(model, "pyramidkv", 16, scoring)
     n_prompt = sum(len(p) for p in parts.values())
     assert n_prompt > 2 * context
 
@@ -222,7 +231,8 @@ def test_past_the_context_positions_are_compacted_and_stay_inside_it(tiny_model,
             held = cache.positions[..., : cache.tokens_kept]
             assert (held < cache.offset).all()
 
-    outputs = _generate(model, caches, parts, scoring, steps=6, max_new_tokens=6, context_length=context, after_call=check)
+    outputs = _generate(model, caches, parts, scoring, steps=6, max_new_tokens=6, context_length=context,
+                        after_call=check)
     assert all(mx.isfinite(o).all().item() for o in outputs)
     assert all(c.offset < n_prompt for c in caches), "offset counts from the compacted positions"
     assert all(c.offset <= context for c in caches)
@@ -233,7 +243,7 @@ def test_past_the_context_positions_are_compacted_and_stay_inside_it(tiny_model,
 def test_compaction_moves_held_keys_to_contiguous_positions_and_keeps_their_content(tiny_model):
     model, _ = tiny_model
     shift = RotaryShift.from_model(model)
-    cache = KVCacheFactory.create(KVCacheConfig(method="pyramidkv", budget=12, eviction="streaming", scoring="key_proxy"))
+    cache = _streaming_cache("pyramidkv", 12)
     mx.random.seed(5)
     raw = mx.random.normal((1, 2, 50, 16))
     rotated = shift.shift(raw, mx.broadcast_to(mx.arange(50, dtype=mx.int32), (1, 2, 50)))  # key t at position t
@@ -254,7 +264,7 @@ def test_compaction_moves_held_keys_to_contiguous_positions_and_keeps_their_cont
 
 def test_a_context_too_small_for_budget_chunk_and_probe_is_a_clear_error(tiny_model, parts):
     model, _ = tiny_model
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="pyramidkv", budget=64, eviction="streaming", scoring="key_proxy"))
+    caches = _streaming_stack(model, "pyramidkv", 64, "key_proxy")
     with pytest.raises(velox_cache.ContextError, match="context_length"):
         _generate(model, caches, parts, "key_proxy", steps=0, context_length=80)
 

@@ -67,7 +67,9 @@ def short_context_model(tmp_path_factory):
 
 
 @pytest.mark.parametrize("on_too_long", ["skip", "truncate"])
-def test_streaming_variants_read_documents_past_the_context_and_full_skips_them(job, tmp_path, short_context_model, on_too_long):
+def test_streaming_variants_read_documents_past_the_context_and_full_skips_them(
+    job, tmp_path, short_context_model, on_too_long
+):
     table = pa.table({
         "id": ["short", "long"],
         "text": ["A short note on caches.", "Long documents are read chunk by chunk in bounded memory. " * 8],
@@ -93,8 +95,10 @@ def test_streaming_variants_read_documents_past_the_context_and_full_skips_them(
     statuses = dict(((d, v), s) for d, v, s in rows(db, "select document_id, variant, status from documents"))
     bounded = "skipped" if on_too_long == "skip" else "done"
     assert statuses == {
-        ("short", "full"): "done", ("short", "pyramid"): "done", ("short", "squeeze"): "done", ("short", "snap"): "done",
-        ("long", "full"): bounded, ("long", "pyramid"): "done", ("long", "squeeze"): "done", ("long", "snap"): bounded,
+        ("short", "full"): "done", ("short", "pyramid"): "done",
+        ("short", "squeeze"): "done", ("short", "snap"): "done",
+        ("long", "full"): bounded, ("long", "pyramid"): "done",
+        ("long", "squeeze"): "done", ("long", "snap"): bounded,
     }
     if on_too_long == "skip":
         reason = rows(db, "select error from documents where document_id = 'long' and variant = 'full'")[0][0]
@@ -102,13 +106,16 @@ def test_streaming_variants_read_documents_past_the_context_and_full_skips_them(
     else:
         cut = rows(db, "select prompt_tokens, truncated from documents where document_id = 'long' and variant = 'full'")
         assert cut[0][0] + 6 <= 160 and cut[0][1] == 1
-    hashes = rows(db, "select count(distinct prompt_hash) from documents where document_id = 'long' and status = 'done'")
+    hashes = rows(db, "select count(distinct prompt_hash) from documents where document_id = 'long' "
+                      "and status = 'done'")
     assert hashes == [(1 if on_too_long == "skip" else 2,)], "each kind stored with the prompt it read"
-    prompt_tokens, budget = rows(db, "select prompt_tokens, budget from documents where document_id = 'long' and variant = 'squeeze'")[0]
+    squeeze = "select prompt_tokens, budget from documents where document_id = 'long' and variant = 'squeeze'"
+    prompt_tokens, budget = rows(db, squeeze)[0]
     assert prompt_tokens > 160 and budget == round(prompt_tokens * 0.10)
     over = "select count(*) from layer_stats where method != 'full' and tokens_kept > layer_budget"
     assert rows(db, over) == [(0,)]
-    seen = rows(db, "select min(tokens_seen / 2) from layer_stats where document_id = 'long' and variant in ('pyramid', 'squeeze')")[0][0]
+    streamed = "document_id = 'long' and variant in ('pyramid', 'squeeze')"
+    seen = rows(db, f"select min(tokens_seen / 2) from layer_stats where {streamed}")[0][0]
     assert seen > 160, "every token of the long document was read"
 
 

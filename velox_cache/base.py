@@ -177,7 +177,11 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         self._probe_scores = None
 
     def end_probe(self) -> None:
-        """Drop the probe's keys and values (offset and accounting as before it); under streaming, evict by its ranking."""
+        """Drop the probe's keys and values (offset and accounting as before it).
+
+        Under the streaming timing the held tokens are first ranked by the
+        probe's attention and evicted to budget.
+        """
         mark = self._probe
         if mark is None:
             return

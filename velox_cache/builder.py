@@ -60,5 +60,7 @@ def _resolved(config: KVCacheConfig, prompt_tokens) -> KVCacheConfig:
     if config.budget_fraction is None or config.method == "full":
         return config
     if prompt_tokens is None:
-        raise ConfigError(f"budget: {config.budget!r} is a share of the prompt; pass prompt_tokens= (the prompt's length)")
+        raise ConfigError(
+            f"budget: {config.budget!r} is a share of the prompt; pass prompt_tokens= (the prompt's length)"
+        )
     return config.resolved_for(prompt_tokens)

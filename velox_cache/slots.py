@@ -133,7 +133,10 @@ class TokenSlots:
         self.stored = stored
 
     def rerotate(self, shift, new_positions: mx.array) -> None:
-        """Rotate each held key from its position to ``new_positions`` ``[B, H, stored]`` (``shift``: a ``RotaryShift``)."""
+        """Rotate each held key from its position to ``new_positions`` ``[B, H, stored]``.
+
+        ``shift`` is a ``velox_cache.rope.RotaryShift``.
+        """
         keys, values = self.held()
         delta = new_positions - self.held_positions()
         self.keys = shift.shift(keys, delta)
