@@ -7,7 +7,6 @@ exception: the other variants of the document still run.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -52,7 +51,8 @@ class Executor:
     calls a worker's methods from another thread than its constructor, so nothing
     MLX is touched before the first call. ``weights`` is the driver's weights mode
     (part of every document's key), so every worker loads the same weights.
-    ``blas_threads``, when set, caps this process's BLAS threads first.
+    ``blas_threads``, when set, caps this process's BLAS threads first. ``load_model``
+    is called as ``load_model(model, weights=weights)``.
     """
 
     model: str
@@ -74,9 +74,8 @@ class Executor:
         if self._loaded is None:
             if self.blas_threads:
                 set_blas_threads(self.blas_threads)
-            os.environ["VELOX_WEIGHTS"] = self.weights
             try:
-                self._loaded = self.load_model(self.model)
+                self._loaded = self.load_model(self.model, weights=self.weights)
             except Exception as exc:  # the driver checked the model resolves; this worker cannot load it
                 return failed_outcomes(item, f"model: {type(exc).__name__}: {exc}")
         model, tokenizer = self._loaded

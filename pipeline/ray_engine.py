@@ -57,17 +57,6 @@ class _Worker:
         return {"index": [item.index], "outcomes": [pickle.dumps(outcomes)]}
 
 
-def _worker_class(executor: Executor) -> type:
-    """``_Worker`` with ``executor`` built in: Ray pickles the class itself, so no constructor
-    argument sits in the object store (Ray warns about those for restartable actors)."""
-
-    class Worker(_Worker):
-        def __init__(self):
-            super().__init__(executor)
-
-    return Worker
-
-
 def worker_env(cpus_per_worker: int) -> dict[str, str]:
     """Environment for workers on other machines: this driver's BLAS preload and BLAS threads."""
     env = {name: str(cpus_per_worker) for name in BLAS_THREAD_VARIABLES}
@@ -151,7 +140,8 @@ class RayEngine:
         with warnings.catch_warnings():  # retries as remote arguments: deprecated, still the only way (Ray < 2.64)
             warnings.simplefilter("ignore", DeprecationWarning)
             dataset = dataset.map_batches(
-                _worker_class(self._executor),
+                _Worker,
+                fn_constructor_args=(self._executor,),
                 batch_size=1,
                 num_cpus=self.settings.cpus_per_worker,
                 compute=ray.data.ActorPoolStrategy(size=min(self.workers, len(items)), max_tasks_in_flight_per_actor=1),

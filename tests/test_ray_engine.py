@@ -52,14 +52,14 @@ def ray_run(path, *, load=load_model, **engine):
     return run_job(spec, quiet=True, load_model=load)
 
 
-def logged_load(marks: str, name: str):
+def logged_load(marks: str, name: str, **options):
     """Load the model in a worker and log every variant it runs there; some prompts kill the worker.
 
     A prompt with ``CRASHONCE`` kills its worker in its second variant the first time
     (mid-document: the full cache's output is made but never returned); one with
     ``POISON`` does so every time.
     """
-    model, tokenizer = load_model(name)
+    model, tokenizer = load_model(name, **options)
     generate = pipeline.execute.generate
 
     def logging_generate(model, tokenizer, prompt_tokens, config, settings, **options):
@@ -140,10 +140,10 @@ def test_a_killed_driver_leaves_a_store_the_next_run_completes(job, tmp_path, ra
     write_corpus(tmp_path / "corpus.parquet", n=16)
     path = job({"generation": {"max_tokens": 24}})
     db = tmp_path / "store.db"
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    address = ray.get_runtime_context().gcs_address  # the driver joins this module's Ray, as on a cluster
     driver = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "run", str(path), "-q", "--engine", "ray", "--workers", str(WORKERS)],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [sys.executable, "-m", "pipeline.cli", "run", str(path), "-q", "--engine", "ray", "--address", address],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
