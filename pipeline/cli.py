@@ -262,8 +262,9 @@ def show(document_id, db):
     for row in rows:
         record = dict(zip(columns, row))
         click.echo(f"== {document_id} / {record['variant']}: {record['status']}")
-        for name in ("error", "prompt_tokens", "output_tokens", "compression_ratio", "rouge_l_vs_full"):
-            if record[name] is not None:
+        for name in ("error", "prompt_tokens", "output_tokens", "compression_ratio", "agreement_vs_full",
+                     "nll_gap_vs_full", "rouge_l_vs_full"):
+            if record.get(name) is not None:
                 click.echo(f"{name}: {record[name]}")
         if record["output"] is not None:
             click.echo(f"output:\n{record['output']}")

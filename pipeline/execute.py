@@ -11,9 +11,12 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from . import model_store
-from .generation import GenerationResult, generate
+from .generation import GenerationResult, Reference, generate
 from .plan import WorkItem
 from .platform import set_blas_threads
+
+
+LOGPROB_DECIMALS = 6  # output log-probabilities as stored (and fed to teacher forcing)
 
 
 @dataclass
@@ -25,16 +28,34 @@ class VariantOutcome:
     error: Optional[str] = None
 
 
+def reference_of(result: GenerationResult) -> Reference:
+    """The full cache's output as teacher forcing feeds it, exactly as the store keeps it."""
+    return Reference(list(result.token_ids), [round(p, LOGPROB_DECIMALS) for p in result.logprobs])
+
+
 def execute(model, tokenizer, item: WorkItem) -> list[VariantOutcome]:
-    """Run every variant due on ``item`` with a fresh cache stack each, in order (full first)."""
+    """Run every variant due on ``item`` with a fresh cache stack each, in order (full first).
+
+    Compressed variants are teacher-forced on the full cache's output: this item's
+    full variant's when it is due here (none when it failed), else ``item.reference``.
+    """
     outcomes = []
+    reference = item.reference
     for variant in item.variants:
+        is_full = variant.cache.method == "full"
         try:
-            result = generate(model, tokenizer, item.prompt_tokens, variant.cache, item.generation)
+            result = generate(
+                model, tokenizer, item.prompt_tokens, variant.cache, item.generation,
+                reference=None if is_full else reference,
+            )
         except Exception as exc:  # one bad document must not stop the night's run
             outcomes.append(VariantOutcome(variant.name, error=f"{type(exc).__name__}: {exc}"))
+            if is_full:
+                reference = None
         else:
             outcomes.append(VariantOutcome(variant.name, result=result))
+            if is_full:
+                reference = reference_of(result)
     return outcomes
 
 

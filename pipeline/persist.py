@@ -8,9 +8,10 @@ stored or not at all.
 
 from __future__ import annotations
 
+import json
 from typing import Optional
 
-from .execute import VariantOutcome
+from .execute import LOGPROB_DECIMALS, VariantOutcome
 from .plan import DocumentPlan, VariantPlan
 from .similarity import rouge_l
 from .store import Store
@@ -35,7 +36,8 @@ def save_outcome(store: Store, run_id: int, plan: DocumentPlan, outcome: Variant
     """Store one executed variant; returns ``("done" | "failed", decode tokens/s or None)``.
 
     A compressed variant gets its ROUGE-L against the stored full-cache output of the
-    same prompt; a full-cache output sets it on compressed rows stored before it.
+    same prompt (and its teacher-forced fidelity, measured where it ran); a full-cache
+    output sets ROUGE-L on compressed rows stored before it.
     """
     entry = plan.entry(outcome.variant)
     row = {**entry.row, "run_id": run_id}
@@ -48,8 +50,9 @@ def save_outcome(store: Store, run_id: int, plan: DocumentPlan, outcome: Variant
     is_full = row["method"] == "full"
     similarity = None
     if not is_full:
-        reference = store.full_output(document_id, prompt_hash, settings_hash)
-        similarity = rouge_l(result.output, reference) if reference is not None else None
+        full = store.full_reference(document_id, prompt_hash, settings_hash)
+        similarity = rouge_l(result.output, full["output"]) if full is not None else None
+    fidelity = result.fidelity
     store.save_document(
         {
             **row,
@@ -65,6 +68,11 @@ def save_outcome(store: Store, run_id: int, plan: DocumentPlan, outcome: Variant
             "peak_memory_bytes": result.peak_memory_bytes,
             "stop_reason": result.stop_reason,
             "rouge_l_vs_full": similarity,
+            "agreement_vs_full": fidelity.agreement if fidelity else None,
+            "nll_gap_vs_full": fidelity.nll_gap if fidelity else None,
+            "fidelity_seconds": fidelity.seconds if fidelity else None,
+            "output_token_ids": json.dumps(result.token_ids),
+            "output_logprobs": json.dumps([round(p, LOGPROB_DECIMALS) for p in result.logprobs]),
             **result.totals(),
         },
         result.layer_stats,

@@ -5,7 +5,9 @@ Both engines run the same plan. Each document's prompt is built once on the driv
 same key is ``unchanged`` and never dispatched; one without a prompt (too long,
 empty, undecodable) is settled as ``skipped`` or ``failed`` without running. What
 is left becomes one ``WorkItem`` per document: the prompt and the variants due on
-it, the full cache first, which is all a worker needs.
+it, the full cache first, which is all a worker needs; compressed variants are
+teacher-forced on the full cache's output, made in the same item or read from the
+store here.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+from .generation import Reference
 from .prompting import Prompt, PromptTooLong, build_prompt, tokens_hash
 from .source import Document, iter_documents
 from .spec import GenerationSpec, JobSpec, Variant, variant_hash
@@ -59,6 +62,7 @@ class WorkItem:
     prompt_tokens: list[int]
     variants: list[Variant]  # the full cache first
     generation: GenerationSpec
+    reference: Optional[Reference] = None  # the stored full-cache output, when the full variant is not due
 
 
 @dataclass
@@ -131,7 +135,14 @@ def plan_document(
         plan.variants.append(entry)
     due = [entry.variant for entry in plan.variants if entry.state == "due"]
     if due:
-        plan.work = WorkItem(index, document.document_id, list(prepared.prompt.tokens), due, spec.generation)
+        reference = None
+        if all(variant.cache.method != "full" for variant in due):
+            stored = store.full_reference(document.document_id, prepared.prompt_hash, settings_hash)
+            if stored is not None and stored["token_ids"] is not None:
+                reference = Reference(stored["token_ids"], stored["logprobs"])
+        plan.work = WorkItem(
+            index, document.document_id, list(prepared.prompt.tokens), due, spec.generation, reference=reference
+        )
     return plan
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import fcntl
+import json
 import os
 import sqlite3
 import sys
@@ -234,7 +235,51 @@ def m003_latest_rows(db: sqlite_utils.Database) -> None:
     )
 
 
-def m004_run_engine(db: sqlite_utils.Database) -> None:
+def m004_fidelity(db: sqlite_utils.Database) -> None:
+    """Teacher-forced fidelity to the full cache per compressed row; the full row's tokens to force."""
+    documents = db["documents"]
+    documents.add_column("agreement_vs_full", float)
+    documents.add_column("nll_gap_vs_full", float)
+    documents.add_column("fidelity_seconds", float)
+    documents.add_column("output_token_ids", str)  # JSON list: what teacher forcing feeds
+    documents.add_column("output_logprobs", str)  # JSON list: each output token's log-probability
+    db.create_view(
+        "run_summary",
+        """
+        select r.id as run_id, r.job_name, r.started_at, r.ended_at, r.status,
+               r.documents_done, r.documents_skipped, r.documents_failed, r.documents_unchanged,
+               count(d.id) as rows_written,
+               round(avg(d.prefill_tokens_per_second), 1) as mean_prefill_tps,
+               round(avg(d.decode_tokens_per_second), 1) as mean_decode_tps,
+               round(sum(d.prefill_seconds + d.decode_seconds), 1) as generation_seconds,
+               round(avg(d.agreement_vs_full), 3) as mean_agreement_vs_full,
+               round(avg(d.nll_gap_vs_full), 3) as mean_nll_gap_vs_full,
+               r.error
+        from runs r left join documents d on d.run_id = r.id and d.status = 'done'
+        group by r.id order by r.id desc
+        """,
+        replace=True,
+    )
+    db.create_view(
+        "method_summary",
+        """
+        select method, variant, budget, count(*) as documents,
+               round(avg(compression_ratio), 2) as mean_compression_ratio,
+               round(avg(agreement_vs_full), 3) as mean_agreement_vs_full,
+               round(min(agreement_vs_full), 3) as worst_agreement_vs_full,
+               round(avg(nll_gap_vs_full), 3) as mean_nll_gap_vs_full,
+               round(avg(rouge_l_vs_full), 3) as mean_rouge_l_vs_full,
+               round(avg(prefill_tokens_per_second), 1) as mean_prefill_tps,
+               round(avg(decode_tokens_per_second), 1) as mean_decode_tps,
+               round(avg(peak_memory_bytes) / 1048576.0, 1) as mean_peak_mib
+        from documents where status = 'done' and is_latest = 1
+        group by method, variant, budget order by method, budget
+        """,
+        replace=True,
+    )
+
+
+def m005_run_engine(db: sqlite_utils.Database) -> None:
     """Where each run's documents ran: ``engine`` (in-process or ray), ``workers``, ``address`` (ray's)."""
     db["runs"].add_column("engine", str)
     db["runs"].add_column("workers", int)
@@ -242,7 +287,7 @@ def m004_run_engine(db: sqlite_utils.Database) -> None:
     db.execute("update runs set engine = 'in-process', workers = 1")
 
 
-MIGRATIONS = [m001_tables, m002_views, m003_latest_rows, m004_run_engine]  # append only: stores record what they applied
+MIGRATIONS = [m001_tables, m002_views, m003_latest_rows, m004_fidelity, m005_run_engine]  # append only: stores record what they applied
 
 
 def migrate(db: sqlite_utils.Database, *, transaction: Optional[Callable] = None) -> list[str]:
@@ -486,14 +531,26 @@ class Store:
                 )
         return document_row
 
-    def full_output(self, document_id: str, prompt_hash: str, settings_hash: str) -> Optional[str]:
-        """The stored full-cache output for the same prompt tokens and settings, if any."""
+    def full_reference(self, document_id: str, prompt_hash: str, settings_hash: str) -> Optional[dict]:
+        """The stored full-cache result for the same prompt tokens and settings, if any.
+
+        A dict with ``output`` and, when the row recorded them, ``token_ids`` and
+        ``logprobs`` (what teacher forcing feeds); ``None`` when there is none.
+        """
         row = self.db.execute(
-            "select output from documents where document_id = ? and prompt_hash = ? and settings_hash = ? "
-            "and method = 'full' and status = 'done' order by id desc limit 1",
+            "select output, output_token_ids, output_logprobs from documents where document_id = ? "
+            "and prompt_hash = ? and settings_hash = ? and method = 'full' and status = 'done' "
+            "order by id desc limit 1",
             [document_id, prompt_hash, settings_hash],
         ).fetchone()
-        return row[0] if row else None
+        if row is None:
+            return None
+        output, token_ids, logprobs = row
+        return {
+            "output": output,
+            "token_ids": json.loads(token_ids) if token_ids is not None else None,
+            "logprobs": json.loads(logprobs) if logprobs is not None else None,
+        }
 
     def compressed_outputs(self, document_id: str, prompt_hash: str, settings_hash: str) -> list[tuple[int, str]]:
         """``(row id, output)`` of the compressed variants done on the same prompt tokens and settings."""
@@ -585,12 +642,14 @@ def recent_runs(path, limit: int = 10):
 
 def document_variants(path, document_id: str):
     """``(columns, rows)``: one document's latest row per variant."""
-    _, found = read_only_query(path, "select count(*) from pragma_table_info('documents') where name = 'is_latest'")
-    latest = " and is_latest = 1" if found[0][0] else ""  # a store not yet migrated by a run has no history marks
+    _, found = read_only_query(path, "select name from pragma_table_info('documents')")
+    present = {name for (name,) in found}
+    latest = " and is_latest = 1" if "is_latest" in present else ""  # a store not yet migrated by a run
+    fidelity = [c for c in ("agreement_vs_full", "nll_gap_vs_full", "rouge_l_vs_full") if c in present]
     return read_only_query(
         path,
         "select id, variant, status, error, prompt_tokens, output_tokens, compression_ratio, "
-        f"rouge_l_vs_full, output from documents where document_id = ?{latest} order by id",
+        f"{', '.join(fidelity)}, output from documents where document_id = ?{latest} order by id",
         [document_id],
     )
 

@@ -31,7 +31,8 @@ from tests.test_pipeline import REPO, job, rows, write_corpus  # noqa: E402, F40
 WORKERS = 2
 OUTPUT_COLUMNS = (
     "document_id, variant, status, output, prompt_tokens, truncated, output_tokens, stop_reason, "
-    "kept_bytes, full_seq_bytes, compression_ratio, rouge_l_vs_full"
+    "kept_bytes, full_seq_bytes, compression_ratio, rouge_l_vs_full, agreement_vs_full, nll_gap_vs_full, "
+    "output_token_ids, output_logprobs"
 )
 LAYER_COLUMNS = "document_id, variant, layer, layer_budget, tokens_seen, tokens_kept, kept_bytes, concentration"
 

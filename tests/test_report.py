@@ -146,7 +146,7 @@ def test_every_chart_is_present_with_title_labels_and_legend(store_path):
     assert "tokens per KV head" in text["chart-layer-budgets"] and "layer" in text["chart-layer-budgets"]
     assert "concentration" in text["chart-concentration"]
     assert "bytes per document (" in text["chart-bytes"]
-    assert "ROUGE-L" in text["chart-fidelity"] and "compression ratio" in text["chart-fidelity"]
+    assert "agreement" in text["chart-fidelity"] and "compression ratio" in text["chart-fidelity"]
     assert "prompt length (tokens)" in text["chart-prefill"] and "tokens/s" in text["chart-prefill"]
     assert "decode (tokens/s)" in text["chart-history"] and "run (id and start date, UTC)" in text["chart-history"]
 
@@ -156,7 +156,7 @@ def test_variant_table_equals_the_store(store_path):
     records = {r["variant"]: r for r in page.records("variant-summary")}
     expected = query(
         store_path,
-        "select variant, count(*), avg(compression_ratio), avg(rouge_l_vs_full), avg(prefill_tokens_per_second), "
+        "select variant, count(*), avg(compression_ratio), avg(agreement_vs_full), avg(prefill_tokens_per_second), "
         "avg(decode_tokens_per_second), avg(kept_bytes) from documents "
         "where run_id = 2 and status = 'done' group by variant",
     )
@@ -164,17 +164,17 @@ def test_variant_table_equals_the_store(store_path):
     header = next(h for h in page.tables["variant-summary"]["header"] if h.startswith("mean kept ("))
     unit = header[len("mean kept (") : -1]
     size = {"B": 1, "KiB": 2**10, "MiB": 2**20}[unit]
-    for variant, documents, ratio, rouge, prefill, decode, kept in expected:
+    for variant, documents, ratio, agreement, prefill, decode, kept in expected:
         record = records[variant]
         assert int(record["documents"]) == documents == 2
         assert close_to(record["mean compression ratio (×)"], ratio, 2)
         assert close_to(record["mean prefill (tokens/s)"], prefill, 1)
         assert close_to(record["mean decode (tokens/s)"], decode, 1)
         assert close_to(record[f"mean kept ({unit})"], kept / size, 2)
-        if rouge is None:
-            assert record["mean ROUGE-L"] == "–" and variant == "full"
+        if agreement is None:
+            assert record["mean agreement"] == "–" and variant == "full"
         else:
-            assert close_to(record["mean ROUGE-L"], rouge, 3)
+            assert close_to(record["mean agreement"], agreement, 3)
 
 
 def test_document_and_problem_tables_equal_the_store(store_path):
@@ -225,18 +225,18 @@ def test_an_older_run_can_be_chosen_and_an_unknown_one_is_an_error(store_path):
         build_report(store_path, run_id=7)
 
 
-def test_agreement_is_the_fidelity_once_the_store_has_it(store_path, tmp_path):
-    copy = tmp_path / "agreement.db"
+def test_rouge_l_is_the_fidelity_for_runs_without_agreement(store_path, tmp_path):
+    copy = tmp_path / "rouge.db"
     shutil.copy(store_path, copy)
     conn = sqlite3.connect(copy)
     with conn:
-        conn.execute("alter table documents add column agreement_vs_full real")
-        conn.execute("update documents set agreement_vs_full = 0.75 where method != 'full' and status = 'done'")
+        conn.execute("update documents set agreement_vs_full = null, rouge_l_vs_full = 0.75 "
+                     "where method != 'full' and status = 'done'")
     conn.close()
     page = Page(build_report(copy).html)
     records = {r["variant"]: r for r in page.records("variant-summary")}
-    assert records["pyramid"]["mean agreement"] == "0.750" and records["full"]["mean agreement"] == "–"
-    assert "agreement" in " ".join(page.figures["chart-fidelity"]["text"])
+    assert records["pyramid"]["mean ROUGE-L"] == "0.750" and records["full"]["mean ROUGE-L"] == "–"
+    assert "ROUGE-L" in " ".join(page.figures["chart-fidelity"]["text"])
 
 
 def test_empty_store_and_run_without_compression_give_a_clear_message(tmp_path, tiny_model_dir):

@@ -19,6 +19,7 @@ from .policies import (
     StreamingLLMCache,
     TOVACache,
 )
+from .snapshot import snapshot
 
 __all__ = [
     "ConfigError",
@@ -36,5 +37,6 @@ __all__ = [
     "TOVACache",
     "observe",
     "pyramid_budgets",
+    "snapshot",
     "squeeze_budgets",
 ]
