@@ -124,3 +124,14 @@ def test_spec_engine_settings_reach_the_run(job, tmp_path):
     assert (first.counts["documents_done"], second.counts["documents_unchanged"]) == (12, 12)
     with sqlite3.connect(tmp_path / "store.db") as conn:
         assert conn.execute("select count(*) from runs where engine = 'in-process'").fetchone() == (2,)
+
+
+def test_fidelity_is_the_same_whether_the_full_output_is_made_alongside_or_read_from_the_store(job, tmp_path):
+    together = tmp_path / "together.db"
+    assert invoke("run", job({"output": {"db": str(together)}}), "-q").exit_code == 0
+    assert invoke("run", job(), "-q", "--variant", "full").exit_code == 0  # the full outputs first ...
+    assert invoke("run", job(), "-q").exit_code == 0  # ... then the compressed ones, teacher-forced on them
+    query = "select document_id, variant, agreement_vs_full, nll_gap_vs_full from documents order by 1, 2"
+    later = rows(tmp_path / "store.db", query)
+    assert later == rows(together, query)
+    assert all(agreement is not None for _, variant, agreement, _ in later if variant != "full")
