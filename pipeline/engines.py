@@ -29,7 +29,8 @@ class BadModel(ValueError):
 
 
 class EngineUnavailable(RuntimeError):
-    """The engine asked for is not installed here; the message says what to install."""
+    """The engine asked for cannot be used: not installed here (the message says what to
+    install) or its cluster does not answer."""
 
 
 class InProcessEngine:

@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import signal
+import socket
 import warnings
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -30,7 +31,7 @@ import ray
 import ray.data
 
 from . import model_store
-from .engines import BadModel
+from .engines import BadModel, EngineUnavailable
 from .execute import Executor, VariantOutcome, failed_outcomes
 from .plan import WorkItem
 from .platform import BLAS_THREAD_VARIABLES
@@ -86,11 +87,30 @@ def connect(settings: EngineSpec) -> tuple[str, bool]:
         )
     else:
         options["runtime_env"] = {"env_vars": worker_env(settings.cpus_per_worker)}
+        _check_reachable(address)
     previous_sigterm = signal.getsignal(signal.SIGTERM)
-    ray.init(**options)
+    try:
+        ray.init(**options)
+    except ConnectionError as exc:
+        ray.shutdown()
+        raise EngineUnavailable(f"engine.address: cannot join Ray at '{address}': {exc}") from None
     if previous_sigterm is not None:  # ray.init installs its own; the runner's marks the run interrupted
         signal.signal(signal.SIGTERM, previous_sigterm)
     return address, True
+
+
+def _check_reachable(address: str, timeout: float = 10.0) -> None:
+    """Fail fast when nothing listens at a ``host:port`` address (``ray.init`` retries for minutes)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto" and other forms: Ray reports those itself
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise EngineUnavailable(
+            f"engine.address: nothing answers at {address} ({exc.strerror or exc}); "
+            "start the cluster there with `ray start --head`, or leave the address out to run Ray here"
+        ) from None
 
 
 class RayEngine:

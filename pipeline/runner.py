@@ -268,6 +268,8 @@ def _start(spec: JobSpec, engine):
         tokenizer, context = engine.start(spec)
     except BadModel as exc:
         raise JobError(f"model: {exc}", EXIT_BAD_INPUT) from None
+    except EngineUnavailable as exc:
+        raise JobError(str(exc), EXIT_BAD_INPUT) from None
     if context is not None and spec.generation.max_tokens >= context:
         raise JobError(
             f"generation.max_tokens: {spec.generation.max_tokens} leaves no room for a prompt in the "

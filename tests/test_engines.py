@@ -1,6 +1,7 @@
 """Engine settings, the plan / execute / persist seams, and the run row's engine columns (no Ray needed)."""
 
 import re
+import socket
 import sqlite3
 import sys
 import threading
@@ -135,3 +136,17 @@ def test_fidelity_is_the_same_whether_the_full_output_is_made_alongside_or_read_
     later = rows(tmp_path / "store.db", query)
     assert later == rows(together, query)
     assert all(agreement is not None for _, variant, agreement, _ in later if variant != "full")
+
+
+def test_a_ray_address_where_nothing_answers_is_one_line_and_exit_2(job, tmp_path):
+    ray = pytest.importorskip("ray", reason="the ray engine needs the velox[ray] extra")
+    if ray.is_initialized():
+        pytest.skip("a Ray session is already open in this process; the run would use it")
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = invoke("run", job(), "--engine", "ray", "--address", f"127.0.0.1:{port}")
+    assert result.exit_code == 2, result.output
+    assert f"engine.address: nothing answers at 127.0.0.1:{port}" in result.output
+    assert "Traceback" not in result.output and not ray.is_initialized()
+    assert rows(tmp_path / "store.db", "select status, engine from runs") == [("failed", "ray")]

@@ -167,3 +167,4 @@ def test_a_killed_driver_leaves_a_store_the_next_run_completes(job, tmp_path, ra
     assert rows(db, "select count(*) from layer_stats") == [(48 * 4,)]
     assert rows(db, "select id, status, engine from runs order by id") == [(1, "interrupted", "ray"), (2, "done", "ray")]
     assert rows(db, "select documents_unchanged, documents_done from runs where id = 2") == [(stored, 48 - stored)]
+
