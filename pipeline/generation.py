@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -68,9 +67,10 @@ class GenerationResult:
 
 
 def _observation(model, config: KVCacheConfig):
+    """Every variant runs on Velox attention; observed scoring also lets the caches see the queries."""
     if config.method != "full" and config.scoring == "observed":
         return velox_cache.observe(model)
-    return contextlib.nullcontext()
+    return velox_cache.fast_attention(model)
 
 
 def generate(

@@ -1,11 +1,14 @@
 """A few checks on the real embedded SmolLM2 with short inputs."""
 
+import mlx.core as mx
 import mlx_lm
 import pytest
+from mlx_lm.generate import generate_step
 
 import velox_cache
 from bench.needle import greedy, make_needle_case
-from velox_cache import KVCacheBuilder, KVCacheConfig
+from velox_cache import KVCacheBuilder, KVCacheConfig, kernel
+from velox_cache.kernel import blocked_attention
 
 pytestmark = pytest.mark.integration
 
@@ -33,3 +36,29 @@ def test_snapkv_keeps_the_needle_at_half_the_prompt(smollm2):
     answer = tokenizer.decode(greedy(model, prompt, caches, "observed", max_tokens=24))
     assert case.code in answer
     assert all(c.tokens_kept <= len(prompt) // 2 for c in caches)
+
+
+def _greedy(model, prompt, caches, max_tokens=16):
+    steps = generate_step(prompt, model, max_tokens=max_tokens, prompt_cache=caches, prefill_step_size=32)
+    return [int(token) for token, _ in steps]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain in two sentences what a Python list is.",
+    ],
+)
+def test_full_cache_on_velox_attention_generates_what_plain_mlx_lm_does(smollm2, content, monkeypatch):
+    """Greedy output of Velox's `full` cache on the CPU kernel equals plain mlx-lm's, token for token."""
+    model, tokenizer = smollm2
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    expected = _greedy(model, mx.array(prompt), None)
+    calls = []
+    monkeypatch.setattr(kernel, "blocked_attention", lambda *a, **k: calls.append(1) or blocked_attention(*a, **k))
+    with velox_cache.fast_attention(model):
+        got = _greedy(model, mx.array(prompt), KVCacheBuilder.for_model(model, KVCacheConfig(method="full")))
+    assert calls, "the kernel ran"
+    assert got == expected

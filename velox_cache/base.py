@@ -24,8 +24,9 @@ from mlx_lm.models.cache import _BaseCache
 
 from . import attention
 from .accounting import CacheAccounting
+from .attend import AttentionResult, attend_and_score
 from .config import KVCacheConfig
-from .observe import is_observing, shared_softmax_default
+from .observe import is_observing
 
 CONCENTRATION_ROWS = 8  # query rows per chunk sampled for the concentration signal
 GROWTH_STEP = 256  # buffer growth granularity, as mlx-lm's KVCache
@@ -136,29 +137,29 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
     def observe_attention(self, queries, keys, values, scale, mask) -> mx.array:
         """Attention for this layer's step with the real queries, scoring tokens on the way.
 
-        Called by ``velox_cache.observe`` in place of the model's attention with
-        the arrays ``update_and_fetch`` returned. On the CPU backend the
-        softmax that scores tokens is the one that computes the output, so
-        observed scoring costs no second softmax.
+        Called by ``velox_cache.observe`` (and ``fast_attention``) in place of
+        the model's attention with the arrays ``update_and_fetch`` returned.
+        With observed scoring, the scores come from the same pass as the
+        output (``attend_and_score``); otherwise this is plain attention.
         """
+        if self.scoring != "observed":
+            return attend_and_score(queries, keys, values, scale=scale, mask=mask).output
         self._awaiting_observation = False
         n_queries = queries.shape[2]
-        rows = self._rows_to_score(n_queries)
-        if rows == n_queries and shared_softmax_default():
-            probs = attention.attention_probs(queries, keys, scale, mask)
-            output = attention.attend(probs, values, queries.dtype)
-        else:
-            output = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-            probs = None
-            if rows:
-                row_mask = mask[..., -rows:, :] if isinstance(mask, mx.array) else mask
-                probs = attention.attention_probs(queries[:, :, -rows:], keys, scale, row_mask)
-        if probs is not None:
-            self._use_probs(probs, n_queries)
+        result = attend_and_score(
+            queries,
+            keys,
+            values,
+            scale=scale,
+            mask=mask,
+            score_rows=self._rows_for_scores(n_queries),
+            entropy_rows=self._rows_for_concentration(n_queries),
+        )
+        self._use_scores(result)
         self._remember_window(queries)
         if n_queries > 1 and self._evicting_now():
             self._evict_to(self._budget_in_force())
-        return output
+        return result.output
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         """The attention mask for ``N`` new tokens over the keys the next call returns."""
@@ -315,12 +316,11 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         self.scores = mx.put_along_axis(self.scores, victim, mx.array(0.0), axis=-1)
         self.positions = mx.put_along_axis(self.positions, victim, mx.array(self.offset, mx.int32), axis=-1)
 
-    def _rows_to_score(self, n_queries: int) -> int:
-        """How many of this call's last query rows need attention probabilities."""
-        rows = self._rows_for_scores(n_queries)
+    def _rows_for_concentration(self, n_queries: int) -> int:
+        """How many of this call's last query rows sample the concentration signal."""
         if self._prefilling and self.measures_concentration:
-            rows = max(rows, min(n_queries, CONCENTRATION_ROWS))
-        return rows
+            return min(n_queries, CONCENTRATION_ROWS)
+        return 0
 
     def _rows_for_scores(self, n_queries: int) -> int:
         """How many of this call's last query rows feed the token scores."""
@@ -331,24 +331,32 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         return 1 if self.score_signal == "current" else n_queries
 
     def _score_with_key_proxy(self, new_keys: mx.array, held_keys: mx.array) -> None:
+        """Score by each new key standing in for its query (no queries needed)."""
         self._remember_window(new_keys)
-        rows = self._rows_to_score(new_keys.shape[2])
+        n_new = new_keys.shape[2]
+        score_rows, entropy_rows = self._rows_for_scores(n_new), self._rows_for_concentration(n_new)
+        rows = max(score_rows, entropy_rows)
         if rows:
-            probs = attention.key_proxy_probs(new_keys, held_keys, rows=rows)
-            self._use_probs(probs, new_keys.shape[2])
+            proxies = new_keys[:, :, -rows:]
+            result = attend_and_score(
+                proxies,
+                held_keys,
+                None,
+                scale=new_keys.shape[-1] ** -0.5,
+                mask="causal" if rows > 1 else None,
+                score_rows=score_rows,
+                entropy_rows=entropy_rows,
+            )
+            self._use_scores(result)
 
-    def _use_probs(self, probs: mx.array, n_queries: int) -> None:
-        """Fold attention probabilities ``[B, H, R, rows, N]`` of the last rows into scores."""
-        rows = probs.shape[3]
-        if self._prefilling and self.measures_concentration:
-            sample = probs[:, :, :, -min(rows, CONCENTRATION_ROWS) :]
-            entropy = attention.normalized_entropy(sample)
-            self._entropy_sum = entropy if self._entropy_sum is None else self._entropy_sum + entropy
-            self._entropy_rows += sample.size // sample.shape[-1]
-        scored_rows = self._rows_for_scores(n_queries)
-        if not scored_rows:
+    def _use_scores(self, result: AttentionResult) -> None:
+        """Fold one call's key mass into the scores and its sampled entropy into the concentration."""
+        if result.entropy is not None:
+            self._entropy_sum = result.entropy if self._entropy_sum is None else self._entropy_sum + result.entropy
+            self._entropy_rows += result.entropy_rows
+        if result.key_mass is None:
             return
-        mass = attention.key_mass(probs[:, :, :, -scored_rows:])  # [B, H, N]
+        mass = result.key_mass  # [B, H, N]
         pad = self.scores.shape[-1] - mass.shape[-1]
         if pad:
             mass = mx.pad(mass, [(0, 0), (0, 0), (0, pad)])

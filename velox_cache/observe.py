@@ -1,11 +1,15 @@
-"""``observe(model)``: let Velox caches see the real queries of every attention call.
+"""``observe(model)`` and ``fast_attention(model)``: route a model's attention through Velox.
 
 mlx-lm never hands queries to a cache. Every mlx-lm architecture whose
 attention calls ``scaled_dot_product_attention(queries, keys, values,
-cache=..., scale=..., mask=...)`` from its own module can be observed: inside
-the context that function is wrapped so that a Velox cache computes the
-attention itself (scoring tokens with the same softmax on the CPU backend) and
-every other cache falls through to the original.
+cache=..., scale=..., mask=...)`` from its own module can be routed: inside
+either context that function is wrapped so that a Velox cache computes the
+attention itself (scoring tokens from the same pass when its scoring is
+observed), every other cache (plain ``KVCache`` included) gets
+``velox_cache.attend`` (Velox's kernel on the CPU backend, the fused kernel
+elsewhere), and quantized caches and attention sinks fall through to the
+original. ``observe`` also makes caches whose scoring is left open score by
+observed attention.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import contextlib
 import sys
 import threading
 
-import mlx.core as mx
+from .attend import attend
 
 ATTENTION_FUNCTION = "scaled_dot_product_attention"
 _active = 0
@@ -22,17 +26,12 @@ _lock = threading.Lock()
 
 
 class ObservationError(RuntimeError):
-    """The model's attention cannot be observed."""
+    """The model's attention cannot be observed (or routed through Velox attention)."""
 
 
 def is_observing() -> bool:
     """True inside any ``observe`` context."""
     return _active > 0
-
-
-def shared_softmax_default() -> bool:
-    """Compute observed attention with one shared softmax (the CPU backend), not the fused kernel."""
-    return mx.default_device() == mx.cpu
 
 
 def _attention_modules(model) -> list:
@@ -44,40 +43,66 @@ def _attention_modules(model) -> list:
 
 
 def _wrap(original):
-    def observed_attention(queries, keys, values, cache=None, scale=1.0, mask=None, **kwargs):
-        if hasattr(cache, "observe_attention") and kwargs.get("sinks") is None:
+    def velox_attention(queries, keys, values, cache=None, scale=1.0, mask=None, **kwargs):
+        if kwargs.get("sinks") is not None or hasattr(cache, "bits"):  # not ours: sinks, quantized caches
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+        if hasattr(cache, "observe_attention"):
             return cache.observe_attention(queries, keys, values, scale, mask)
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+        return attend(queries, keys, values, scale=scale, mask=mask)
 
-    observed_attention.__wrapped__ = original
-    return observed_attention
+    velox_attention.__wrapped__ = original
+    return velox_attention
 
 
 @contextlib.contextmanager
-def observe(model):
-    """Observe ``model``'s attention while the block runs; restores the model on exit, always.
-
-    Example::
-
-        with velox_cache.observe(model):
-            mlx_lm.generate(model, tokenizer, prompt, prompt_cache=caches)
-    """
+def _routed(model, *, observing: bool):
     global _active
     modules = _attention_modules(model)
     if not modules:
+        what = "be observed" if observing else "use Velox attention"
         raise ObservationError(
-            f"{type(model).__module__}.{type(model).__name__} cannot be observed: none of its "
-            f"modules calls mlx-lm's `{ATTENTION_FUNCTION}`; use scoring='key_proxy'"
+            f"{type(model).__module__}.{type(model).__name__} cannot {what}: none of its modules calls "
+            f"mlx-lm's `{ATTENTION_FUNCTION}`" + ("; use scoring='key_proxy'" if observing else "")
         )
     originals = [(module, getattr(module, ATTENTION_FUNCTION)) for module in modules]
     with _lock:
         for module, original in originals:
             setattr(module, ATTENTION_FUNCTION, _wrap(original))
-        _active += 1
+        _active += observing
     try:
         yield model
     finally:
         with _lock:
             for module, original in reversed(originals):
                 setattr(module, ATTENTION_FUNCTION, original)
-            _active -= 1
+            _active -= observing
+
+
+def observe(model):
+    """Observe ``model``'s attention while the block runs; restores the model on exit, always.
+
+    Velox caches see the real queries (and score by them when their scoring
+    is ``observed`` or left open); every other attention call runs as in
+    ``fast_attention``.
+
+    Example::
+
+        with velox_cache.observe(model):
+            mlx_lm.generate(model, tokenizer, prompt, prompt_cache=caches)
+    """
+    return _routed(model, observing=True)
+
+
+def fast_attention(model):
+    """Run ``model``'s attention on Velox's attention while the block runs, with any caches.
+
+    On MLX's CPU backend that is Velox's kernel (see ``velox_cache.kernel``);
+    on Metal and CUDA, or with ``VELOX_ATTENTION=exact``, it is the fused
+    kernel, exactly as without the context. Restores the model on exit, always.
+
+    Example::
+
+        with velox_cache.fast_attention(model):
+            mlx_lm.generate(model, tokenizer, prompt)  # plain mlx-lm caches, faster prefill on CPU
+    """
+    return _routed(model, observing=False)
