@@ -30,6 +30,9 @@ from typing import Callable, Iterable, Iterator, Optional
 import ray
 import ray.data
 
+from velox_cache.attend import ENVIRONMENT_VARIABLE as ATTENTION_VARIABLE
+from velox_cache.attend import STREAMS_VARIABLE as ATTENTION_STREAMS_VARIABLE
+
 from . import model_store
 from .engines import BadModel, EngineUnavailable
 from .execute import Executor, VariantOutcome, failed_outcomes
@@ -59,10 +62,12 @@ class _Worker:
 
 
 def worker_env(cpus_per_worker: int) -> dict[str, str]:
-    """Environment for workers on other machines: this driver's BLAS preload and BLAS threads."""
+    """Environment for workers on other machines: BLAS threads, and this driver's BLAS preload
+    and attention settings (``VELOX_ATTENTION`` changes outputs; workers must match the driver)."""
     env = {name: str(cpus_per_worker) for name in BLAS_THREAD_VARIABLES}
-    if os.environ.get("LD_PRELOAD"):
-        env["LD_PRELOAD"] = os.environ["LD_PRELOAD"]
+    for name in ("LD_PRELOAD", ATTENTION_VARIABLE, ATTENTION_STREAMS_VARIABLE):
+        if os.environ.get(name):
+            env[name] = os.environ[name]
     return env
 
 

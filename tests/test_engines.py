@@ -150,3 +150,13 @@ def test_a_ray_address_where_nothing_answers_is_one_line_and_exit_2(job, tmp_pat
     assert f"engine.address: nothing answers at 127.0.0.1:{port}" in result.output
     assert "Traceback" not in result.output and not ray.is_initialized()
     assert rows(tmp_path / "store.db", "select status, engine from runs") == [("failed", "ray")]
+
+
+def test_cluster_workers_get_the_drivers_blas_and_attention_settings(monkeypatch):
+    ray_engine = pytest.importorskip("pipeline.ray_engine", reason="the ray engine needs the velox[ray] extra")
+    monkeypatch.setenv("LD_PRELOAD", "/lib/libblas.so.3")
+    monkeypatch.setenv("VELOX_ATTENTION", "exact")
+    monkeypatch.delenv("VELOX_ATTENTION_STREAMS", raising=False)
+    env = ray_engine.worker_env(2)
+    assert env["OPENBLAS_NUM_THREADS"] == "2" and env["LD_PRELOAD"] == "/lib/libblas.so.3"
+    assert env["VELOX_ATTENTION"] == "exact" and "VELOX_ATTENTION_STREAMS" not in env
