@@ -90,7 +90,8 @@ EXIT_STATUS_HELP = """
 Exit status:
   0  every document done (or skipped by the limits, or unchanged since a run before)
   1  at least one document failed; its error is stored and the run went on
-  2  invalid job spec, input file, column, store path (--db) or model; nothing was run
+  2  invalid job spec, input file, column, store path (--db) or model, or the ray engine
+     is not installed or not reachable at its address; nothing was run
   3  another run holds the store; nothing was run
   4  the run stopped on an unexpected error (printed); the run is marked failed
   130, 143  Ctrl-C (SIGINT) or SIGTERM: the document in progress is abandoned, the run

@@ -41,9 +41,10 @@ from .platform import BLAS_THREAD_VARIABLES
 from .spec import EngineSpec, JobSpec
 
 LOCAL = "local"
+LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
+
 # Ray Data's notices about DataContext fields it sets itself say nothing a user can act on
 warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"ray\.data\.context")
-LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
 
 
 class _Worker:

@@ -4,7 +4,8 @@ Exit statuses (also of ``velox-batch run``):
 
 * 0 every document was done, skipped by the limits, or already done before;
 * 1 at least one document failed (its error is stored; the run went on);
-* 2 the job spec, its input, its store path or its model is invalid (nothing was run);
+* 2 the job spec, its input, its store path or its model is invalid, or the ray engine is not
+  installed or not reachable (nothing was run);
 * 3 another run holds the store (nothing was run);
 * 4 the run stopped on an unexpected error (a bug, a full disk): marked ``failed``;
 * 130 / 143 (128 + the signal) SIGINT (Ctrl-C) or SIGTERM stopped it: the document in
