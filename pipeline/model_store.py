@@ -130,6 +130,30 @@ def context_length(model) -> int | None:
     return None
 
 
+def config_context_length(config: dict) -> int | None:
+    """``context_length`` read from a model's ``config.json`` mapping instead of a loaded model."""
+    for name in CONTEXT_FIELDS:
+        value = config.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL):
+    """``(tokenizer, context length or None)`` without loading any weights: what a driver needs to plan.
+
+    The tokenizer is the one ``load_model`` returns for the same name (same files,
+    same end-of-sequence ids from the model's config).
+    """
+    from mlx_lm.utils import load_config
+    from mlx_lm.utils import load_tokenizer as load_mlx_tokenizer
+
+    path = resolve_model(name)
+    config = load_config(path)
+    tokenizer = load_mlx_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    return tokenizer, config_context_length(config)
+
+
 def load_model(name: str = DEFAULT_MODEL, *, weights: str | None = None):
     """Load ``(model, tokenizer)`` for a model name, with weights suited to this platform."""
     import mlx.core as mx
