@@ -90,7 +90,8 @@ EXIT_STATUS_HELP = """
 Exit status:
   0  every document done (or skipped by the limits, or unchanged since a run before)
   1  at least one document failed; its error is stored and the run went on
-  2  invalid job spec, input file, column, store path (--db) or model; nothing was run
+  2  invalid job spec, input file, column, store path (--db) or model, or the ray engine
+     is not installed or not reachable at its address; nothing was run
   3  another run holds the store; nothing was run
   4  the run stopped on an unexpected error (printed); the run is marked failed
   130, 143  Ctrl-C (SIGINT) or SIGTERM: the document in progress is abandoned, the run
@@ -106,9 +107,14 @@ Exit status:
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), help="Overrides limits.max_prompt_tokens.")
 @click.option("--on-too-long", type=click.Choice(["truncate", "skip", "fail"]), help="Overrides limits.on_too_long.")
 @click.option("--model", help="Model alias, mlx-lm directory or .gguf file (overrides model).")
+@click.option(
+    "--engine", type=click.Choice(["in-process", "ray"]), help="Where documents run (overrides engine.name; ray needs velox[ray])."
+)
+@click.option("--workers", type=click.IntRange(min=1), help="Ray workers (overrides engine.workers; default: every CPU).")
+@click.option("--address", help="Join this Ray cluster (overrides engine.address and $RAY_ADDRESS).")
 @click.option("--force", is_flag=True, help="Redo documents already done with the same content and settings.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
-def run(spec_path, db, limit, variant_names, max_prompt_tokens, on_too_long, model, force, quiet):
+def run(spec_path, db, limit, variant_names, max_prompt_tokens, on_too_long, model, engine, workers, address, force, quiet):
     """Run a job spec: every document of its Parquet input through every cache variant.
 
     Results go to the SQLite store named by output.db. Documents already done
@@ -119,12 +125,14 @@ def run(spec_path, db, limit, variant_names, max_prompt_tokens, on_too_long, mod
     Example:
         velox-batch run jobs/summarize.yaml
         velox-batch run jobs/summarize.yaml --limit 5 --variant full --db /tmp/try.db
+        velox-batch run jobs/summarize.yaml --engine ray --workers 2
     """
     from .runner import EXIT_CRASHED, JobError, run_job
     from .spec import SpecError, load_spec
 
     try:
         spec = load_spec(spec_path)
+        spec = _apply_engine_overrides(spec, engine, workers, address)
         spec = _apply_overrides(spec, db, limit, variant_names, max_prompt_tokens, on_too_long, model)
         summary = run_job(spec, force=force, quiet=quiet)
     except SpecError as exc:
@@ -146,6 +154,23 @@ def run(spec_path, db, limit, variant_names, max_prompt_tokens, on_too_long, mod
     elif not quiet:
         click.echo(f"run {summary.run_id} -> {summary.db}: {counts}", err=True)
     sys.exit(summary.exit_status)
+
+
+def _apply_engine_overrides(spec, engine, workers, address):
+    from .spec import SpecError
+
+    if engine == "in-process":  # the spec's ray settings do not apply
+        spec.engine.workers = spec.engine.address = None
+    if engine:
+        spec.engine.name = engine
+    for option, value in (("--workers", workers), ("--address", address)):
+        if value is not None and spec.engine.name != "ray":
+            raise SpecError(f"{option}: only the ray engine has {option[2:]} (add --engine ray)")
+    if workers is not None:
+        spec.engine.workers = workers
+    if address is not None:
+        spec.engine.address = address
+    return spec
 
 
 def _apply_overrides(spec, db, limit, variant_names, max_prompt_tokens, on_too_long, model):

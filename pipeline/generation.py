@@ -88,8 +88,12 @@ def generate(
     settings: GenerationSpec,
     *,
     reference: Optional[Reference] = None,
+    document_span: Optional[tuple] = None,
 ) -> GenerationResult:
-    """Generate for one prompt (a ``Prompt``, or token ids: all document) with a fresh cache stack.
+    """Generate for one prompt (a ``Prompt``, or token ids) with a fresh cache stack.
+
+    Token ids are all document unless ``document_span`` ``(start, end)`` marks the
+    document in them (``end`` None: to the end).
 
     With a ``reference`` (the full cache's output for the same prompt), the
     cache stack is snapshotted when prefill ends and, after the free-running
@@ -98,7 +102,8 @@ def generate(
     output, its timings and its accounting are those of the original stack.
     """
     if not isinstance(prompt, Prompt):
-        prompt = Prompt(list(prompt))
+        start, end = document_span or (0, None)
+        prompt = Prompt(list(prompt), document_start=start, document_end=end)
     prompt_tokens = prompt.tokens
     caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(prompt_tokens))
     sampler = make_sampler(temp=settings.temperature, top_p=settings.top_p)

@@ -113,14 +113,45 @@ def weights_mode(requested: str | None = None) -> str:
     return "float32" if backend_name() == "cpu" else "quantized"
 
 
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
 def context_length(model) -> int | None:
     """The number of positions the model was trained for, from its config; None if it does not say.
 
-    The same reading as ``velox_cache.model_context`` (which streaming prefill uses).
+    mlx-lm models keep their config as ``model.args``; llama-style configs name it
+    ``max_position_embeddings``, others one of ``CONTEXT_FIELDS``.
     """
-    from velox_cache import model_context
+    args = getattr(model, "args", None)
+    for name in CONTEXT_FIELDS:
+        value = getattr(args, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
-    return model_context(model)
+
+def config_context_length(config: dict) -> int | None:
+    """``context_length`` read from a model's ``config.json`` mapping instead of a loaded model."""
+    for name in CONTEXT_FIELDS:
+        value = config.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL):
+    """``(tokenizer, context length or None)`` without loading any weights: what a driver needs to plan.
+
+    The tokenizer is the one ``load_model`` returns for the same name (same files,
+    same end-of-sequence ids from the model's config).
+    """
+    from mlx_lm.utils import load_config
+    from mlx_lm.utils import load_tokenizer as load_mlx_tokenizer
+
+    path = resolve_model(name)
+    config = load_config(path)
+    tokenizer = load_mlx_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    return tokenizer, config_context_length(config)
 
 
 def load_model(name: str = DEFAULT_MODEL, *, weights: str | None = None):

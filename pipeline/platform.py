@@ -125,6 +125,38 @@ def ensure_fast_blas() -> None:
     os.execve(sys.executable, [sys.executable, *argv[1:]], env)
 
 
+BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def set_blas_threads(threads: int) -> int | None:
+    """Cap this process's BLAS threads (so workers sharing a machine do not oversubscribe it).
+
+    Sets the usual environment variables (read by libraries loaded later and by child
+    processes) and, when OpenBLAS is already loaded, tells it directly. Returns the
+    thread count OpenBLAS reports afterwards, or None when no OpenBLAS is loaded.
+    """
+    for name in BLAS_THREAD_VARIABLES:
+        os.environ[name] = str(threads)
+    return _openblas_threads(threads)
+
+
+def blas_threads() -> int | None:
+    """The thread count the loaded OpenBLAS uses, or None when no OpenBLAS is loaded."""
+    return _openblas_threads(None)
+
+
+def _openblas_threads(threads: int | None) -> int | None:
+    try:
+        process = ctypes.CDLL(None)
+        getter = process.openblas_get_num_threads
+        if threads is not None:
+            process.openblas_set_num_threads(ctypes.c_int(threads))
+    except (AttributeError, OSError):
+        return None
+    getter.restype = ctypes.c_int
+    return int(getter())
+
+
 def gemm_gflops(size: int = 1024, repeats: int = 5) -> float:
     """Measured float32 GEMM speed of MLX's default device, in GFLOP/s."""
     import mlx.core as mx

@@ -24,6 +24,7 @@ from velox_cache import ConfigError, KVCacheConfig
 from .store import DEFAULT_DB
 
 ON_TOO_LONG = ("truncate", "skip", "fail")
+ENGINES = ("in-process", "ray")
 SEED_LIMIT = 2**64  # mlx.random.seed takes an unsigned 64-bit integer
 
 
@@ -74,6 +75,22 @@ class OutputSpec:
 
 
 @dataclass
+class EngineSpec:
+    """Where documents run: ``in-process`` (one model in this process) or ``ray`` (many workers).
+
+    ``workers``, ``address``, ``cpus_per_worker`` and ``max_retries`` apply to ``ray`` only.
+    ``workers`` defaults to every CPU (of this machine, or of the cluster when joining one);
+    ``address`` (else ``$RAY_ADDRESS``) joins a running cluster instead of starting Ray here.
+    """
+
+    name: str = "in-process"
+    workers: Optional[int] = None
+    address: Optional[str] = None
+    cpus_per_worker: int = 1  # CPUs each worker reserves, and its BLAS threads
+    max_retries: int = 2  # tries of one document after the first, when its worker dies on it
+
+
+@dataclass
 class Variant:
     name: str
     cache: KVCacheConfig
@@ -88,6 +105,7 @@ class JobSpec:
     generation: GenerationSpec = field(default_factory=GenerationSpec)
     limits: LimitsSpec = field(default_factory=LimitsSpec)
     output: OutputSpec = field(default_factory=OutputSpec)
+    engine: EngineSpec = field(default_factory=EngineSpec)
     source: Optional[str] = None  # the spec file
 
     def settings_hash(self) -> str:
@@ -252,7 +270,7 @@ def parse_spec(raw: Any, where: str = "spec") -> JobSpec:
     """Validate a spec mapping; errors name the field."""
     if not isinstance(raw, dict):
         raise SpecError(f"{where}: expected a mapping at the top level")
-    top = {"name", "model", "input", "generation", "cache", "variants", "limits", "output"}
+    top = {"name", "model", "input", "generation", "cache", "variants", "limits", "output", "engine"}
     for key in raw:
         if key not in top:
             close = difflib.get_close_matches(str(key), sorted(top), n=1)
@@ -273,6 +291,7 @@ def parse_spec(raw: Any, where: str = "spec") -> JobSpec:
             generation=_section(GenerationSpec, raw.get("generation"), "generation"),
             limits=_section(LimitsSpec, raw.get("limits"), "limits"),
             output=_section(OutputSpec, raw.get("output"), "output"),
+            engine=_section(EngineSpec, raw.get("engine"), "engine"),
         )
         validate(spec)
     except SpecError as exc:
@@ -320,6 +339,24 @@ def validate(spec: JobSpec) -> None:
         raise SpecError(f"limits.max_prompt_tokens: must be at least 1, got {lim.max_prompt_tokens}")
     if lim.max_documents is not None and lim.max_documents < 1:
         raise SpecError(f"limits.max_documents: must be at least 1, got {lim.max_documents}")
+    _validate_engine(spec.engine)
+
+
+def _validate_engine(engine: EngineSpec) -> None:
+    if engine.name not in ENGINES:
+        raise SpecError(f"engine.name: {engine.name!r} is not one of {', '.join(ENGINES)}")
+    if engine.workers is not None and engine.workers < 1:
+        raise SpecError(f"engine.workers: must be at least 1, got {engine.workers}")
+    if engine.cpus_per_worker < 1:
+        raise SpecError(f"engine.cpus_per_worker: must be at least 1, got {engine.cpus_per_worker}")
+    if engine.max_retries < 0:
+        raise SpecError(f"engine.max_retries: must be at least 0, got {engine.max_retries}")
+    if engine.address is not None and not engine.address.strip():
+        raise SpecError("engine.address: must not be empty (leave it out to start Ray on this machine)")
+    if engine.name == "in-process":
+        for name in ("workers", "address"):
+            if getattr(engine, name) is not None:
+                raise SpecError(f"engine.{name}: only the ray engine has {name} (set engine.name: ray or --engine ray)")
 
 
 def load_spec(path: str | Path) -> JobSpec:

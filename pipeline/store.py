@@ -279,7 +279,15 @@ def m004_fidelity(db: sqlite_utils.Database) -> None:
     )
 
 
-MIGRATIONS = [m001_tables, m002_views, m003_latest_rows, m004_fidelity]  # append only: stores record what they applied
+def m005_run_engine(db: sqlite_utils.Database) -> None:
+    """Where each run's documents ran: ``engine`` (in-process or ray), ``workers``, ``address`` (ray's)."""
+    db["runs"].add_column("engine", str)
+    db["runs"].add_column("workers", int)
+    db["runs"].add_column("address", str)
+    db.execute("update runs set engine = 'in-process', workers = 1")
+
+
+MIGRATIONS = [m001_tables, m002_views, m003_latest_rows, m004_fidelity, m005_run_engine]  # append only: stores record what they applied
 
 
 def migrate(db: sqlite_utils.Database, *, transaction: Optional[Callable] = None) -> list[str]:
@@ -474,17 +482,27 @@ class Store:
 
     # documents
 
+    def find_done(self, doc_key: str) -> Optional[tuple[int, bool]]:
+        """``(row id, is_latest)`` when this exact work is stored as done, else None (reads only)."""
+        row = self.db.execute("select id, is_latest from documents where doc_key = ? and status = 'done'", [doc_key]).fetchone()
+        return None if row is None else (row[0], bool(row[1]))
+
+    def make_latest(self, document_row: int) -> None:
+        """Mark a stored row as the latest of its document × variant (a rerun reusing it)."""
+        with self._write():
+            document_id, variant = self.db.execute(
+                "select document_id, variant from documents where id = ?", [document_row]
+            ).fetchone()
+            self._make_latest(document_row, document_id, variant)
+
     def reuse_done(self, doc_key: str) -> bool:
         """True when this exact work is stored as done; it becomes the latest row of its document × variant."""
-        row = self.db.execute(
-            "select id, document_id, variant, is_latest from documents where doc_key = ? and status = 'done'", [doc_key]
-        ).fetchone()
-        if row is None:
+        found = self.find_done(doc_key)
+        if found is None:
             return False
-        document_row, document_id, variant, is_latest = row
+        document_row, is_latest = found
         if not is_latest:
-            with self._write():
-                self._make_latest(document_row, document_id, variant)
+            self.make_latest(document_row)
         return True
 
     def _make_latest(self, document_row: int, document_id: str, variant: str) -> None:
