@@ -37,16 +37,21 @@ def execute(model, tokenizer, item: WorkItem) -> list[VariantOutcome]:
     """Run every variant due on ``item`` with a fresh cache stack each, in order (full first).
 
     Compressed variants are teacher-forced on the full cache's output: this item's
-    full variant's when it is due here (none when it failed), else ``item.reference``.
+    full variant's when it is due here (none when it failed), else ``item.reference``;
+    a streaming variant whose prompt differs (``item.streamed``) has no reference.
+    Each variant is prefilled by phases with its prompt's split.
     """
     outcomes = []
     reference = item.reference
     for variant in item.variants:
         is_full = variant.cache.method == "full"
+        prompt = item.prompt_for(variant)
+        own_prompt = item.streamed is not None and prompt is item.streamed  # reads more than the full variant
         try:
             result = generate(
-                model, tokenizer, item.prompt_tokens, variant.cache, item.generation,
-                reference=None if is_full else reference,
+                model, tokenizer, prompt.tokens, variant.cache, item.generation,
+                reference=None if is_full or own_prompt else reference,
+                document_span=(prompt.document_start, prompt.document_end),
             )
         except Exception as exc:  # one bad document must not stop the night's run
             outcomes.append(VariantOutcome(variant.name, error=f"{type(exc).__name__}: {exc}"))

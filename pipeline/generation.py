@@ -1,4 +1,10 @@
-"""One document through one cache variant: fresh cache stack, chunked prefill, decode."""
+"""One document through one cache variant: fresh cache stack, prefill by phases, decode.
+
+The prompt's prefix and document are prefilled in chunks of
+``prefill_step_size``, then its instruction; the caches are told each phase
+(``velox_cache.prefill_phases``). Streaming variants also run the instruction
+as a probe after every document chunk but the last.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,9 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
 import velox_cache
-from velox_cache import KVCacheBuilder, KVCacheConfig, snapshot
+from velox_cache import KVCacheBuilder, KVCacheConfig, prefill_phases, snapshot
 
+from .prompting import Prompt
 from .spec import GenerationSpec
 
 
@@ -76,13 +83,17 @@ def _observation(model, config: KVCacheConfig):
 def generate(
     model,
     tokenizer,
-    prompt_tokens: list[int],
+    prompt,
     config: KVCacheConfig,
     settings: GenerationSpec,
     *,
     reference: Optional[Reference] = None,
+    document_span: Optional[tuple] = None,
 ) -> GenerationResult:
-    """Generate for one prompt with a freshly built cache stack (and coordinator).
+    """Generate for one prompt (a ``Prompt``, or token ids) with a fresh cache stack.
+
+    Token ids are all document unless ``document_span`` ``(start, end)`` marks the
+    document in them (``end`` None: to the end).
 
     With a ``reference`` (the full cache's output for the same prompt), the
     cache stack is snapshotted when prefill ends and, after the free-running
@@ -90,7 +101,11 @@ def generate(
     ``fidelity``: one extra decode pass, no second prefill; the free-running
     output, its timings and its accounting are those of the original stack.
     """
-    caches = KVCacheBuilder.for_model(model, config)
+    if not isinstance(prompt, Prompt):
+        start, end = document_span or (0, None)
+        prompt = Prompt(list(prompt), document_start=start, document_end=end)
+    prompt_tokens = prompt.tokens
+    caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(prompt_tokens))
     sampler = make_sampler(temp=settings.temperature, top_p=settings.top_p)
     eos = set(tokenizer.eos_token_ids)
     mx.random.seed(settings.seed)
@@ -100,7 +115,16 @@ def generate(
     logprobs: list[float] = []
     with _observation(model, config):
         start = time.perf_counter()
-        first_logprobs = _logprobs(prefill(model, prompt_tokens, caches, settings.prefill_step_size))
+        logits = prefill_phases(
+            model,
+            caches,
+            prefix=prompt.prefix,
+            document=prompt.document,
+            instruction=prompt.instruction,
+            chunk_size=settings.prefill_step_size,
+            max_new_tokens=settings.max_tokens,
+        )
+        first_logprobs = _logprobs(logits)
         prefill_seconds = time.perf_counter() - start
         prefill_end = snapshot(caches) if reference is not None else None
         start = time.perf_counter()
@@ -161,8 +185,9 @@ def teacher_force(model, caches, first_logprobs: mx.array, reference: Reference)
 def prefill(model, prompt_tokens, caches, step: int) -> mx.array:
     """Run the prompt through ``model`` in chunks of ``step`` tokens; returns the last logits ``[1, V]``.
 
-    Like ``mlx_lm.generate_step``: all but the last token in chunks (evaluating
-    the cache state after each), then the last token alone, which ends prefill.
+    Exactly like ``mlx_lm.generate_step``, phases not told: all but the last
+    token in chunks (evaluating the cache state after each), then the last
+    token alone, which ends prefill (the caches' fallback inference).
     """
     prompt = mx.array(prompt_tokens)
     for begin in range(0, prompt.size - 1, step):

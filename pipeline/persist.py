@@ -23,7 +23,7 @@ def settle(store: Store, run_id: int, plan: DocumentPlan, entry: VariantPlan) ->
         if not entry.stored_is_latest:
             store.make_latest(entry.stored_row)
         return "unchanged"
-    prepared = plan.prepared
+    prepared = plan.prepared_for(entry.variant)
     status = "skipped" if entry.state == "skipped" else "error"
     store.save_document(
         {**entry.row, "run_id": run_id, "status": status, "error": prepared.error, "prompt_tokens": prepared.prompt_tokens},
@@ -41,7 +41,7 @@ def save_outcome(store: Store, run_id: int, plan: DocumentPlan, outcome: Variant
     """
     entry = plan.entry(outcome.variant)
     row = {**entry.row, "run_id": run_id}
-    prepared = plan.prepared
+    prepared = plan.prepared_for(entry.variant)
     if outcome.result is None:
         store.save_document({**row, "status": "error", "error": outcome.error, "prompt_tokens": prepared.prompt_tokens}, [])
         return "failed", None

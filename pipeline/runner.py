@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Optional
 from . import model_store
 from .engines import BadModel, EngineUnavailable, make_engine
 from .persist import save_outcome, settle
-from .plan import DocumentPlan, plan_documents
+from .plan import DocumentPlan, plan_documents, streams
 from .platform import loaded_blas, package_version
 from .source import count_documents, open_dataset
 from .spec import JobSpec, SpecError
@@ -125,6 +125,15 @@ class Progress:
 
             self.bar = tqdm(total=total, unit="doc", file=self.stream)
 
+    def note(self, message: str) -> None:
+        """One line for the operator (not shown when quiet)."""
+        if self.quiet:
+            return
+        if self.bar is not None:
+            self.bar.write(f"note: {message}", file=self.stream)
+        else:
+            print(f"note: {message}", file=self.stream, flush=True)
+
     def document_done(self, document_id: str, outcomes: list[str], tokens_per_second: Optional[float]) -> None:
         self.count += 1
         if self.quiet:
@@ -212,6 +221,11 @@ def _run_locked(spec, store, dataset, engine, force, quiet, progress_stream, gua
         store.update_run(run_id, workers=engine.workers, address=engine.address)
         settings_hash = spec.output_settings_hash(weights=model_store.weights_mode())
         progress = Progress(total, quiet, progress_stream)
+        if spec.input.prompt_column and any(streams(v) for v in spec.variants):
+            progress.note(
+                "input.prompt_column: a ready prompt has no instruction to probe with; streaming variants "
+                "rank each chunk by its own last queries (SnapKV per chunk)"
+            )
         running: dict[int, DocumentPlan] = {}
 
         def document_finished(plan: DocumentPlan, outcomes: list[str], rates: list[float]) -> None:

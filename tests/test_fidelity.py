@@ -74,10 +74,11 @@ def test_teacher_forcing_leaves_the_free_run_and_its_accounting_alone(tiny_model
 
 
 def _forced_from_a_second_prefill(model, prompt, config, reference):
-    """The slow way: a fresh prefill, then the reference fed one token at a time."""
+    """The slow way: a fresh prefill (by phases, as ``generate`` runs it), then the reference one token at a time."""
     caches = KVCacheBuilder.for_model(model, config)
     with velox_cache.observe(model):
-        logits = prefill(model, prompt, caches, SETTINGS.prefill_step_size)
+        logits = velox_cache.prefill_phases(model, caches, document=prompt, chunk_size=SETTINGS.prefill_step_size,
+                                            max_new_tokens=SETTINGS.max_tokens)
         predictions = [mx.argmax(logits, axis=-1).item()]
         for token in reference.token_ids[:-1]:
             predictions.append(mx.argmax(model(mx.array([[token]]), cache=caches)[:, -1], axis=-1).item())

@@ -62,3 +62,32 @@ def test_full_cache_on_velox_attention_generates_what_plain_mlx_lm_does(smollm2,
         got = _greedy(model, mx.array(prompt), KVCacheBuilder.for_model(model, KVCacheConfig(method="full")))
     assert calls, "the kernel ran"
     assert got == expected
+
+
+def test_streaming_pyramidkv_keeps_the_needle_read_chunk_by_chunk(smollm2):
+    from bench.streaming import split_prompt
+    from velox_cache import prefill_phases
+
+    model, tokenizer = smollm2
+    case = make_needle_case(tokenizer, seed=3, n_tokens=600, depth=0.3)
+    prompt = split_prompt(tokenizer, case.document, case.question)
+    config = KVCacheConfig(method="pyramidkv", budget=160, eviction="streaming")
+    caches = KVCacheBuilder.for_model(model, config)
+    probes = []
+    with velox_cache.observe(model):
+        logits = prefill_phases(model, caches, prefix=prompt.prefix, document=prompt.document,
+                                instruction=prompt.instruction, chunk_size=128,
+                                after_call=lambda event, stack: probes.append(event == "probe"))
+        answer = greedy_continue(model, logits, caches, tokenizer, max_tokens=16)
+    assert sum(probes) >= 4, "the document was read in chunks, each ranked by the probe"
+    assert case.code in answer
+    assert all(c.tokens_kept <= c.layer_budget for c in caches)
+
+
+def greedy_continue(model, logits, caches, tokenizer, max_tokens):
+    out = []
+    token = mx.argmax(logits, axis=-1)
+    while len(out) < max_tokens and token.item() not in tokenizer.eos_token_ids:
+        out.append(token.item())
+        token = mx.argmax(model(token[None], cache=caches)[:, -1], axis=-1)
+    return tokenizer.decode(out)

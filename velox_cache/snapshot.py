@@ -16,6 +16,9 @@ import copy
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
+from .selection import WindowSelector
+from .slots import TokenSlots
+
 
 def snapshot(caches: list) -> list:
     """Independent copies of ``caches`` (any mix of Velox and mlx-lm caches).
@@ -37,7 +40,7 @@ def _copy_cache(cache):
 def _copy_value(value):
     if isinstance(value, mx.array):
         return mx.array(value)
-    if isinstance(value, _BaseCache):
+    if isinstance(value, (_BaseCache, TokenSlots, WindowSelector)):  # a cache and the per-sequence parts it owns
         return _copy_cache(value)
     if isinstance(value, list):
         return [_copy_value(item) for item in value]
