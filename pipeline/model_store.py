@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from velox_cache.prefill import CONTEXT_FIELDS, model_context
+
 from .model_import import COMPLETE_MARKER, ModelImportError, import_gguf
 from .platform import backend_name
 
@@ -113,21 +115,9 @@ def weights_mode(requested: str | None = None) -> str:
     return "float32" if backend_name() == "cpu" else "quantized"
 
 
-CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
-
-
 def context_length(model) -> int | None:
-    """The number of positions the model was trained for, from its config; None if it does not say.
-
-    mlx-lm models keep their config as ``model.args``; llama-style configs name it
-    ``max_position_embeddings``, others one of ``CONTEXT_FIELDS``.
-    """
-    args = getattr(model, "args", None)
-    for name in CONTEXT_FIELDS:
-        value = getattr(args, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
+    """The number of positions the model was trained for, from its config; None if it does not say."""
+    return model_context(model)
 
 
 def config_context_length(config: dict) -> int | None:
