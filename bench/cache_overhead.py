@@ -114,4 +114,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from pipeline.platform import ensure_fast_blas
+
+    ensure_fast_blas()  # OpenBLAS preloaded, its kernels chosen from the CPU (re-executes once)
     main()

@@ -159,4 +159,7 @@ def summary_fidelity(model, tokenizer, args):
 
 
 if __name__ == "__main__":
+    from pipeline.platform import ensure_fast_blas
+
+    ensure_fast_blas()  # OpenBLAS preloaded, its kernels chosen from the CPU (re-executes once)
     main()
