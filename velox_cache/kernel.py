@@ -47,6 +47,7 @@ MIN_BLOCK_ROWS = 16
 MIN_SPLIT_ROWS = 2  # query rows from which a block's elementwise work is split over two streams
 ONES_COLUMN_ROWS = 64  # from this many score rows per call, row sums come from the values matmul
 MAX_HALVINGS, MIN_HALF = 4, 64  # row_max folds rows in halves down to at least this length
+MIN_HALVING_ELEMENTS = 2**16  # below this many scores (decode steps) folding costs more than it saves
 _TAYLOR = [1.0 / math.factorial(i) for i in range(TAYLOR_DEGREE + 1)]
 
 
@@ -81,7 +82,7 @@ def row_max(scores: mx.array) -> mx.array:
     elementwise ``maximum`` first does most of the work at elementwise speed.
     """
     odd_columns = None
-    for _ in range(MAX_HALVINGS):
+    for _ in range(MAX_HALVINGS if scores.size >= MIN_HALVING_ELEMENTS else 0):
         length = scores.shape[-1]
         half = length // 2
         if half < MIN_HALF:
