@@ -1,9 +1,9 @@
 """Documents per hour: ``--engine ray --workers N`` against the in-process engine, same job, one run.
 
 Runs a subset of the main job (``jobs/summarize.yaml``: the first ``--limit`` topics of
-CPython's reference manual, prompts up to 400 tokens, the longer ones recorded as
-skipped and not counted) once with each engine, each into its own fresh store, then
-checks that both stored the same outputs. Two rates per engine:
+CPython's reference manual, every length: the compressed variants stream, the full
+variant skips topics over the model's context) once with each engine, each into its
+own fresh store, then checks that both stored the same outputs. Two rates per engine:
 
 * end to end: documents run / the whole ``run_job`` (model load, Ray start, shutdown);
 * steady: documents after the first / the time from the first finished document to
