@@ -16,6 +16,7 @@ The end of prefill is the first single-token call after tokens were seen (what
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import mlx.core as mx
@@ -25,6 +26,7 @@ from mlx_lm.models.cache import _BaseCache
 from . import attention
 from .accounting import CacheAccounting
 from .config import KVCacheConfig
+from .masks import MaskMismatchError, SharedMaskRecord, fit_mask, is_plain_causal
 from .observe import is_observing, shared_softmax_default
 
 CONCENTRATION_ROWS = 8  # query rows per chunk sampled for the concentration signal
@@ -58,6 +60,14 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         self._window_positions = None  # [W]
         self._entropy_sum = None
         self._entropy_rows = 0
+        self.attention_scale: Optional[float] = None  # the model's softmax scale, when the builder knows it
+        self.shared_mask = SharedMaskRecord()  # shared by a stack from ``KVCacheBuilder.for_model``
+        self.scoring_fallback: Optional[str] = None  # why observed scoring fell back to the key proxy
+        self._pending_keys = None  # new keys of a call still awaiting its observation
+        self._observed_scale: Optional[float] = None
+        self._mask_reaches_attention = False  # observed attention got the model's causal array mask
+        self._derived_keys = False  # attention ran on keys derived from the stored ones (MLA)
+        self._window_probs = None  # [B, H, W, N] window rows' attention, for derived keys
 
     # ----- the three choices --------------------------------------------------------------
 
@@ -103,13 +113,12 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         layer is at budget (decode uses no mask, so slot order is free).
         """
         if self._awaiting_observation:
-            raise RuntimeError(
-                "scoring='observed' but the model is not observed: run it inside "
-                "`with velox_cache.observe(model):` or set scoring='key_proxy'"
-            )
+            self._missed_observation()
         n_new = keys.shape[2]
         if self.keys is None:
             self._start(keys, values)
+        if n_new > 1:
+            self._check_shared_mask(n_new)
         if keys.dtype != self.keys.dtype or values.dtype != self.values.dtype:
             keys, values = keys.astype(self.keys.dtype), values.astype(self.values.dtype)
         if n_new == 1 and self._prefilling and self.offset > 0:
@@ -127,35 +136,48 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         held = self._held()
         if self.scoring == "observed":
             self._awaiting_observation = True
+            self._pending_keys = keys
         else:
             self._score_with_key_proxy(keys, held[0])
             if n_new > 1 and self._evicting_now():
                 self._evict_to(self._budget_in_force())
         return held
 
-    def observe_attention(self, queries, keys, values, scale, mask) -> mx.array:
+    def observe_attention(self, queries, keys, values, scale, mask, sinks=None) -> mx.array:
         """Attention for this layer's step with the real queries, scoring tokens on the way.
 
         Called by ``velox_cache.observe`` in place of the model's attention with
-        the arrays ``update_and_fetch`` returned. On the CPU backend the
-        softmax that scores tokens is the one that computes the output, so
-        observed scoring costs no second softmax.
+        the arrays ``update_and_fetch`` returned (or keys derived from them, as
+        multi-head latent attention does). On the CPU backend the softmax that
+        scores tokens is the one that computes the output, so observed scoring
+        costs no second softmax. ``sinks`` (per-head logits that take softmax
+        mass, as in gpt-oss) count in both. An array mask built for another
+        layer's key count is rebuilt for this layer's (``masks.fit_mask``).
         """
         self._awaiting_observation = False
-        n_queries = queries.shape[2]
+        self._pending_keys = None
+        self._observed_scale = scale
+        n_queries, n_keys = queries.shape[2], keys.shape[2]
+        if isinstance(mask, mx.array):
+            self._mask_reaches_attention = is_plain_causal(mask)
+            mask = fit_mask(mask, n_queries, n_keys)
+        self._derived_keys = keys.shape[1] != self.keys.shape[1] or keys.shape[-1] != self.keys.shape[-1]
         rows = self._rows_to_score(n_queries)
         if rows == n_queries and shared_softmax_default():
-            probs = attention.attention_probs(queries, keys, scale, mask)
+            probs = attention.attention_probs(queries, keys, scale, mask, sinks=sinks)
             output = attention.attend(probs, values, queries.dtype)
         else:
-            output = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+            output = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
             probs = None
             if rows:
                 row_mask = mask[..., -rows:, :] if isinstance(mask, mx.array) else mask
-                probs = attention.attention_probs(queries[:, :, -rows:], keys, scale, row_mask)
+                probs = attention.attention_probs(queries[:, :, -rows:], keys, scale, row_mask, sinks=sinks)
         if probs is not None:
             self._use_probs(probs, n_queries)
-        self._remember_window(queries)
+        if self._derived_keys:
+            self._remember_window_probs(probs)
+        else:
+            self._remember_window(queries)
         if n_queries > 1 and self._evicting_now():
             self._evict_to(self._budget_in_force())
         return output
@@ -164,18 +186,20 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         """The attention mask for ``N`` new tokens over the keys the next call returns."""
         if window_size is not None:
             raise NotImplementedError(
-                f"{type(self).__name__} does not support sliding-window attention layers"
+                f"layer {self.layer_id}: {type(self).__name__} does not support sliding-window attention "
+                "layers (a model should give them a RotatingKVCache in make_cache)"
             )
         if N == 1:
             return None
         if return_array:
+            self.shared_mask.record(self.layer_id, self.offset, N, self._stored + N)
             return create_causal_mask(N, self._stored)
         return "causal"
 
     @property
     def state(self):
         arrays = [self.keys, self.values, self.scores, self.positions]
-        arrays += [self._window_queries, self._window_positions, self._entropy_sum]
+        arrays += [self._window_queries, self._window_positions, self._entropy_sum, self._window_probs]
         return [a for a in arrays if a is not None]
 
     @state.setter
@@ -192,6 +216,10 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
             f"{cls.__name__} cannot be merged into an mlx-lm batch cache: run one sequence per "
             "cache stack (a batch cache would silently grow without bound)"
         )
+
+    def keys_and_values(self):
+        """The held keys and values (``[B, H, kept, D]``), for models that share one layer's KV with others."""
+        return self._held()
 
     def empty(self) -> bool:
         return self.keys is None
@@ -320,6 +348,8 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         rows = self._rows_for_scores(n_queries)
         if self._prefilling and self.measures_concentration:
             rows = max(rows, min(n_queries, CONCENTRATION_ROWS))
+        if self._prefilling and self._selects_by_window and self._derived_keys:
+            rows = max(rows, min(n_queries, self.config.window))
         return rows
 
     def _rows_for_scores(self, n_queries: int) -> int:
@@ -334,8 +364,48 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         self._remember_window(new_keys)
         rows = self._rows_to_score(new_keys.shape[2])
         if rows:
-            probs = attention.key_proxy_probs(new_keys, held_keys, rows=rows)
+            probs = attention.key_proxy_probs(new_keys, held_keys, rows=rows, scale=self.attention_scale)
             self._use_probs(probs, new_keys.shape[2])
+
+    def _missed_observation(self) -> None:
+        """The previous call's attention never reached ``observe_attention``: fail clearly or fall back."""
+        if not is_observing():
+            raise RuntimeError(
+                "scoring='observed' but the model is not observed: run it inside "
+                "`with velox_cache.observe(model):` or set scoring='key_proxy'"
+            )
+        self.scoring_fallback = "attention call not observed"
+        warnings.warn(
+            f"layer {self.layer_id}: its attention did not go through velox_cache.observe (the model "
+            "computes attention itself, or with arguments the observer does not handle); this layer "
+            "scores tokens with the key proxy from now on",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self._scoring = "key_proxy"
+        self._awaiting_observation = False
+        self._window_queries = self._window_positions = self._window_probs = None
+        pending, self._pending_keys = self._pending_keys, None
+        self._score_with_key_proxy(pending, self._held()[0])
+        if pending.shape[2] > 1 and self._evicting_now():
+            self._evict_to(self._budget_in_force())
+
+    def _check_shared_mask(self, n_new: int) -> None:
+        """Fail clearly when the model's one array mask, built by another layer, will not fit this one."""
+        width = self.shared_mask.width_for_call(self.layer_id, self.offset, n_new)
+        n_keys = self._stored + n_new
+        if width is None or width == n_keys:
+            return
+        if self.scoring == "observed" and is_observing() and self._mask_reaches_attention:
+            return  # observe_attention rebuilds the causal mask for this layer's keys
+        raise MaskMismatchError(
+            f"layer {self.layer_id}: the model builds one array mask for every layer from layer "
+            f"{self.shared_mask.maker}'s cache ({width} keys) but this layer holds {n_keys} after "
+            "eviction; per-layer budgets cannot share it. Run this multi-token call inside "
+            "`velox_cache.observe(model)` with scoring='observed' (for models that pass the mask to "
+            "scaled_dot_product_attention), or use equal budgets (method='h2o'/'snapkv') or one prompt "
+            "per cache stack with eviction='prefill_end'"
+        )
 
     def _use_probs(self, probs: mx.array, n_queries: int) -> None:
         """Fold attention probabilities ``[B, H, R, rows, N]`` of the last rows into scores."""
@@ -348,7 +418,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         scored_rows = self._rows_for_scores(n_queries)
         if not scored_rows:
             return
-        mass = attention.key_mass(probs[:, :, :, -scored_rows:])  # [B, H, N]
+        mass = self._fold_heads(attention.key_mass(probs[:, :, :, -scored_rows:]))  # [B, H, N]
         pad = self.scores.shape[-1] - mass.shape[-1]
         if pad:
             mass = mx.pad(mass, [(0, 0), (0, 0), (0, pad)])
@@ -356,6 +426,26 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
             self.scores = mass
         else:
             self.scores = self.scores + mass
+
+    def _fold_heads(self, mass: mx.array) -> mx.array:
+        """Sum per-head mass ``[B, H', N]`` onto this cache's heads when attention ran on more (MLA, repeats)."""
+        heads = self.keys.shape[1]
+        if mass.shape[1] == heads:
+            return mass
+        return mass.reshape(mass.shape[0], heads, -1, mass.shape[-1]).sum(axis=2)
+
+    def _remember_window_probs(self, probs: Optional[mx.array]) -> None:
+        """Keep the attention of the prompt's latest ``window`` queries when keys are derived (MLA)."""
+        if not (self._prefilling and self._selects_by_window) or probs is None:
+            return
+        window = self.config.window
+        rows = probs[:, :, :, -window:].sum(axis=2)  # [B, H', rows, N]
+        rows = rows.reshape(rows.shape[0], self.keys.shape[1], -1, *rows.shape[2:]).sum(axis=2)  # [B, H, rows, N]
+        if self._window_probs is not None and rows.shape[2] < window:
+            earlier = self._window_probs  # earlier queries never saw this call's keys: zero mass
+            earlier = mx.pad(earlier, [(0, 0), (0, 0), (0, 0), (0, rows.shape[-1] - earlier.shape[-1])])
+            rows = mx.concatenate([earlier, rows], axis=2)[:, :, -window:]
+        self._window_probs = rows
 
     def _remember_window(self, queries: mx.array) -> None:
         """Keep the latest ``window`` queries of the prompt for window-based selection."""
@@ -377,15 +467,25 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         keys, _ = self._held()
         held_positions = self.positions[..., : self._stored]
         visible = held_positions[:, :, None, None, :] <= self._window_positions[None, None, None, :, None]
-        scale = keys.shape[-1] ** -0.5
+        scale = self._window_scale(keys.shape[-1])
         probs = attention.attention_probs(self._window_queries, keys, scale, visible)
         return attention.max_pool(attention.key_mass(probs), self.config.kernel)
+
+    def _window_scale(self, dim: int) -> float:
+        """The softmax scale of window queries: the one observed, else the model's, else ``dim ** -0.5``."""
+        if self.scoring == "observed" and self._observed_scale is not None:
+            return self._observed_scale
+        return self.attention_scale if self.attention_scale is not None else dim**-0.5
 
     def _end_prefill(self) -> None:
         self._prefilling = False
         self._on_prefill_end()
-        if self._selects_by_window and self._window_queries is not None:
+        scores = None
+        if self._selects_by_window and self._window_probs is not None:
+            scores = attention.max_pool(self._window_probs.sum(axis=2), self.config.kernel)
+        elif self._selects_by_window and self._window_queries is not None:
             scores = self._window_selection_scores()  # [B, H, stored]
+        if scores is not None:
             self.scores = mx.pad(scores, [(0, 0), (0, 0), (0, self.keys.shape[2] - self._stored)])
-        self._window_queries = self._window_positions = None
+        self._window_queries = self._window_positions = self._window_probs = None
         self._evict_to(self._budget_in_force())

@@ -2,10 +2,13 @@
 
 mlx-lm never hands queries to a cache. Every mlx-lm architecture whose
 attention calls ``scaled_dot_product_attention(queries, keys, values,
-cache=..., scale=..., mask=...)`` from its own module can be observed: inside
-the context that function is wrapped so that a Velox cache computes the
-attention itself (scoring tokens with the same softmax on the CPU backend) and
-every other cache falls through to the original.
+cache=..., scale=..., mask=..., sinks=...)`` from its own module can be
+observed: inside the context that function is wrapped so that a Velox cache
+computes the attention itself (scoring tokens with the same softmax on the CPU
+backend) and every other cache falls through to the original. A call with
+arguments the observer does not know also falls through; the Velox cache then
+notices at its next call that it was not observed, warns, and scores that layer
+with the key proxy from then on (never silently mis-scored).
 """
 
 from __future__ import annotations
@@ -44,9 +47,11 @@ def _attention_modules(model) -> list:
 
 
 def _wrap(original):
-    def observed_attention(queries, keys, values, cache=None, scale=1.0, mask=None, **kwargs):
-        if hasattr(cache, "observe_attention") and kwargs.get("sinks") is None:
-            return cache.observe_attention(queries, keys, values, scale, mask)
+    def observed_attention(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None, **kwargs):
+        if hasattr(cache, "observe_attention") and not kwargs:
+            return cache.observe_attention(queries, keys, values, scale, mask, sinks=sinks)
+        if sinks is not None:
+            kwargs["sinks"] = sinks
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
 
     observed_attention.__wrapped__ = original
