@@ -11,6 +11,7 @@ from mlx_lm.sample_utils import make_sampler
 
 import velox_cache
 from velox_cache import KVCacheBuilder, KVCacheConfig
+from velox_cache.accounting import layer_stats
 
 from .spec import GenerationSpec
 
@@ -101,6 +102,9 @@ def _sample(logits: mx.array, sampler) -> int:
 
 
 def _layer_row(layer: int, cache) -> dict:
-    row = cache.stats()
+    """One ``layer_stats`` row for any entry of the cache list (Velox or kept as the model made it)."""
+    row = layer_stats(layer, cache)
     row.pop("offset")
-    return {**row, "layer": layer}
+    if row["method"] is None:
+        row.pop("method")  # a layer Velox left alone: the store fills in the document's method
+    return row

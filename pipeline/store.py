@@ -158,7 +158,13 @@ def m002_views(db: sqlite_utils.Database) -> None:
     )
 
 
-MIGRATIONS = [m001_tables, m002_views]
+def m003_layer_cache_kind(db: sqlite_utils.Database) -> None:
+    """Which cache each layer had (``PyramidKVCache``, ``RotatingKVCache``, ...) and how it scored tokens."""
+    db["layer_stats"].add_column("cache_kind", str)
+    db["layer_stats"].add_column("scoring", str)
+
+
+MIGRATIONS = [m001_tables, m002_views, m003_layer_cache_kind]
 
 
 def migrate(db: sqlite_utils.Database) -> list[str]:
@@ -314,7 +320,7 @@ def document_layers(path, document_row: int):
     """``(columns, rows)``: the per-layer accounting of one stored document row."""
     return read_only_query(
         path,
-        "select layer, layer_budget, tokens_seen, tokens_kept, kept_bytes, full_seq_bytes, "
+        "select layer, cache_kind, layer_budget, tokens_seen, tokens_kept, kept_bytes, full_seq_bytes, "
         "round(compression_ratio, 2) as compression_ratio, round(concentration, 3) as concentration "
         "from layer_stats where document_row = ? order by layer",
         [document_row],

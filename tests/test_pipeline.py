@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from pipeline.cli import cli
 from pipeline.runner import EXIT_BAD_INPUT, EXIT_DOCUMENT_FAILED, EXIT_LOCKED, JobError, run_job
 from pipeline.spec import SpecError, load_spec, parse_spec
-from pipeline.store import Store
+from pipeline.store import MIGRATIONS, Store
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -90,7 +90,10 @@ def test_run_fills_every_table_and_view(job, tmp_path):
     assert [b for _, b in budgets] == sorted([b for _, b in budgets], reverse=True)
     assert sum(b for _, b in budgets) == 24 * 4
     assert rows(db, "select count(*) from layer_stats where tokens_kept > layer_budget and method != 'full'") == [(0,)]
-    assert rows(db, "select count(*) from _velox_migrations") == [(2,)]
+    assert rows(db, "select count(*) from _velox_migrations") == [(len(MIGRATIONS),)]
+    kinds = rows(db, "select distinct method, cache_kind, scoring from layer_stats order by method")
+    assert [k[:2] for k in kinds] == [("full", "FullKVCache"), ("pyramidkv", "PyramidKVCache"),
+                                      ("squeeze", "SqueezeAttentionCache")]
     assert "[4/4] doc-3" in result.output  # plain progress lines when not on a terminal
 
 
