@@ -9,6 +9,8 @@ from .budgets import pyramid_budgets, squeeze_budgets
 from .builder import KVCacheBuilder, KVCacheFactory
 from .config import ConfigError, KVCacheConfig
 from .coordinator import SqueezeCoordinator
+from .masks import MaskMismatchError
+from .model_caches import UnsupportedModelError
 from .observe import ObservationError, observe
 from .policies import (
     FullKVCache,
@@ -27,6 +29,7 @@ __all__ = [
     "KVCacheBuilder",
     "KVCacheConfig",
     "KVCacheFactory",
+    "MaskMismatchError",
     "ObservationError",
     "PyramidKVCache",
     "SnapKVCache",
@@ -34,6 +37,7 @@ __all__ = [
     "SqueezeCoordinator",
     "StreamingLLMCache",
     "TOVACache",
+    "UnsupportedModelError",
     "observe",
     "pyramid_budgets",
     "squeeze_budgets",

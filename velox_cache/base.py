@@ -66,8 +66,8 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         self._pending_keys = None  # new keys of a call still awaiting its observation
         self._observed_scale: Optional[float] = None
         self._mask_reaches_attention = False  # observed attention got the model's causal array mask
-        self._derived_keys = False  # attention ran on keys derived from the stored ones (MLA)
-        self._window_probs = None  # [B, H, W, N] window rows' attention, for derived keys
+        self._window_from_probs = False  # window attention cannot be recomputed from stored queries
+        self._window_probs = None  # [B, H, W, N] the window rows' attention, kept when it cannot
 
     # ----- the three choices --------------------------------------------------------------
 
@@ -161,7 +161,11 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         if isinstance(mask, mx.array):
             self._mask_reaches_attention = is_plain_causal(mask)
             mask = fit_mask(mask, n_queries, n_keys)
-        self._derived_keys = keys.shape[1] != self.keys.shape[1] or keys.shape[-1] != self.keys.shape[-1]
+        # Keys derived from the stored ones (MLA), an additive mask (position scores) or sinks: the
+        # window's attention is kept as computed, since stored queries and keys cannot reproduce it.
+        derived = keys.shape[1] != self.keys.shape[1] or keys.shape[-1] != self.keys.shape[-1]
+        additive = isinstance(mask, mx.array) and mask.dtype != mx.bool_
+        self._window_from_probs = derived or additive or sinks is not None
         rows = self._rows_to_score(n_queries)
         if rows == n_queries and shared_softmax_default():
             probs = attention.attention_probs(queries, keys, scale, mask, sinks=sinks)
@@ -174,7 +178,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
                 probs = attention.attention_probs(queries[:, :, -rows:], keys, scale, row_mask, sinks=sinks)
         if probs is not None:
             self._use_probs(probs, n_queries)
-        if self._derived_keys:
+        if self._window_from_probs:
             self._remember_window_probs(probs)
         else:
             self._remember_window(queries)
@@ -348,7 +352,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         rows = self._rows_for_scores(n_queries)
         if self._prefilling and self.measures_concentration:
             rows = max(rows, min(n_queries, CONCENTRATION_ROWS))
-        if self._prefilling and self._selects_by_window and self._derived_keys:
+        if self._prefilling and self._selects_by_window and self._window_from_probs:
             rows = max(rows, min(n_queries, self.config.window))
         return rows
 
@@ -435,7 +439,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         return mass.reshape(mass.shape[0], heads, -1, mass.shape[-1]).sum(axis=2)
 
     def _remember_window_probs(self, probs: Optional[mx.array]) -> None:
-        """Keep the attention of the prompt's latest ``window`` queries when keys are derived (MLA)."""
+        """Keep the attention the prompt's latest ``window`` queries paid ``[B, H, W, N]``, as computed."""
         if not (self._prefilling and self._selects_by_window) or probs is None:
             return
         window = self.config.window

@@ -85,9 +85,9 @@ def refusal_reason(caches: list) -> str:
     held = ", ".join(f"{n} x {kind}" for kind, n in counts.items()) or "no caches"
     reasons = []
     if any("ArraysCache" in kind or "MambaCache" in kind for kind in counts):
-        reasons.append("state-space / linear-attention layers hold a fixed-size state, not a KV cache")
+        reasons.append("ArraysCache layers (state-space, linear attention, convolution) hold a fixed-size state")
     if any(kind.startswith("RotatingKVCache") or kind.startswith("ChunkedKVCache") for kind in counts):
-        reasons.append("sliding-window and chunked layers are already bounded")
+        reasons.append("sliding-window and chunked attention is already bounded")
     if any(kind.count("KVCache") > 1 and kind.startswith("CacheList") for kind in counts):
         reasons.append("several KV caches in one layer may be paired position by position (kept as made)")
     if not reasons:
