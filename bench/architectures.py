@@ -300,6 +300,11 @@ def run_test(module, name: str, out: Path, only=None, skip_sequence=False) -> No
 
     outcome = unittest.TestResult()
     Sweep(name).run(outcome)
+    for _, reason in outcome.skipped:  # mlx-lm's own test skips (a missing optional package)
+        if only and name.removeprefix("test_") not in only:
+            continue
+        results.append(ArchitectureResult(test=name, model_type=name.removeprefix("test_"),
+                                          plain=f"skipped by mlx-lm's test: {reason}", stage="done"))
     save()
     for _, trace in outcome.errors:
         if "model_test_runner" not in trace:
@@ -317,14 +322,19 @@ def sweep(tests_path: Path, module, only=None) -> list[ArchitectureResult]:
                 command += ["--only", *sorted(only)]
             crashes = 0
             for _ in range(3):  # MLX itself crashes intermittently on some models (phi3small)
-                finished = subprocess.run(command, stdout=subprocess.DEVNULL)
-                if finished.returncode == 0:
+                finished = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                sys.stderr.write(finished.stderr)
+                if finished.returncode == 0 or not out.exists():
                     break
                 crashes += 1
             rows = [ArchitectureResult(**row) for row in json.loads(out.read_text())] if out.exists() else []
             if finished.returncode != 0 and rows and rows[-1].stage == "plain: chunked prefill and decode":
                 finished = subprocess.run(command + ["--skip-sequence"], stdout=subprocess.DEVNULL)
                 rows = [ArchitectureResult(**row) for row in json.loads(out.read_text())]
+            if not rows and finished.returncode != 0:  # no model built (a missing optional package, say)
+                reason = (finished.stderr.strip().splitlines() or ["no output"])[-1][:160]
+                rows = [ArchitectureResult(test=name, model_type=name.removeprefix("test_"),
+                                           plain=f"not run: {reason}", stage="done")]
             if crashes and rows:
                 rows[-1].notes.append(f"the process crashed {crashes} time(s)")
             if finished.returncode != 0 and rows and rows[-1].stage != "done":
