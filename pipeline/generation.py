@@ -1,19 +1,51 @@
-"""One document through one cache variant: fresh cache stack, chunked prefill, decode."""
+"""One document through one cache variant: fresh cache stack, prefill by phases, decode.
+
+The prompt's prefix and document are prefilled in chunks of
+``prefill_step_size``, then its instruction; the caches are told each phase
+(``velox_cache.prefill_phases``). Streaming variants also run the instruction
+as a probe after every document chunk but the last.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
 import velox_cache
-from velox_cache import KVCacheBuilder, KVCacheConfig
+from velox_cache import KVCacheBuilder, KVCacheConfig, prefill_phases, snapshot
 from velox_cache.accounting import layer_stats
+from velox_cache.observe import can_route
 
+from .prompting import Prompt
 from .spec import GenerationSpec
+
+
+@dataclass
+class Reference:
+    """The full cache's output for the same prompt: token ids and their log-probabilities."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclass
+class Fidelity:
+    """How closely a compressed cache tracks the full cache on the full cache's own output.
+
+    ``agreement``: share of the reference tokens that the compressed cache's top-1
+    prediction matches when fed the reference (teacher forcing; 1.0 = identical
+    behaviour). ``nll_gap``: mean log-likelihood the reference loses under the
+    compressed cache, in nats per token (0 = none lost).
+    """
+
+    agreement: float
+    nll_gap: float
+    seconds: float
 
 
 @dataclass
@@ -26,6 +58,9 @@ class GenerationResult:
     peak_memory_bytes: int
     stop_reason: str  # "eos" or "max_tokens"
     layer_stats: list[dict] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # of each generated token, under this cache
+    fidelity: Optional[Fidelity] = None
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -42,52 +77,126 @@ class GenerationResult:
 
 
 def _observation(model, config: KVCacheConfig):
+    """Every variant runs on Velox attention; observed scoring also lets the caches see the queries.
+
+    A model that computes attention by hand (gemma2) cannot be routed: it runs
+    on its own attention, with the key proxy, unless observed scoring was asked for.
+    """
     if config.method != "full" and config.scoring == "observed":
         return velox_cache.observe(model)
-    return contextlib.nullcontext()
+    if not can_route(model):
+        return contextlib.nullcontext()
+    return velox_cache.fast_attention(model)
 
 
-def generate(model, tokenizer, prompt_tokens: list[int], config: KVCacheConfig, settings: GenerationSpec) -> GenerationResult:
-    """Generate for one prompt with a freshly built cache stack (and coordinator)."""
-    caches = KVCacheBuilder.for_model(model, config)
+def generate(
+    model,
+    tokenizer,
+    prompt,
+    config: KVCacheConfig,
+    settings: GenerationSpec,
+    *,
+    reference: Optional[Reference] = None,
+    document_span: Optional[tuple] = None,
+) -> GenerationResult:
+    """Generate for one prompt (a ``Prompt``, or token ids) with a fresh cache stack.
+
+    Token ids are all document unless ``document_span`` ``(start, end)`` marks the
+    document in them (``end`` None: to the end).
+
+    With a ``reference`` (the full cache's output for the same prompt), the
+    cache stack is snapshotted when prefill ends and, after the free-running
+    generation, the snapshot is fed the reference tokens to measure
+    ``fidelity``: one extra decode pass, no second prefill; the free-running
+    output, its timings and its accounting are those of the original stack.
+    """
+    if not isinstance(prompt, Prompt):
+        start, end = document_span or (0, None)
+        prompt = Prompt(list(prompt), document_start=start, document_end=end)
+    prompt_tokens = prompt.tokens
+    caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(prompt_tokens))
     sampler = make_sampler(temp=settings.temperature, top_p=settings.top_p)
     eos = set(tokenizer.eos_token_ids)
     mx.random.seed(settings.seed)
     mx.clear_cache()
     mx.reset_peak_memory()
     generated: list[int] = []
+    logprobs: list[float] = []
     with _observation(model, config):
         start = time.perf_counter()
-        token = _sample(prefill(model, prompt_tokens, caches, settings.prefill_step_size), sampler)
+        logits = prefill_phases(
+            model,
+            caches,
+            prefix=prompt.prefix,
+            document=prompt.document,
+            instruction=prompt.instruction,
+            chunk_size=settings.prefill_step_size,
+            max_new_tokens=settings.max_tokens,
+        )
+        first_logprobs = _logprobs(logits)
         prefill_seconds = time.perf_counter() - start
+        prefill_end = snapshot(caches) if reference is not None else None
         start = time.perf_counter()
+        token_logprobs = first_logprobs
         stop_reason = "max_tokens"
         while True:
+            token = sampler(token_logprobs).item()
             if token in eos:
                 stop_reason = "eos"
                 break
             generated.append(token)
+            logprobs.append(token_logprobs[0, token].item())
             if len(generated) >= settings.max_tokens:
                 break
-            token = _sample(model(mx.array([[token]]), cache=caches)[:, -1, :], sampler)
+            token_logprobs = _logprobs(model(mx.array([[token]]), cache=caches)[:, -1, :])
         decode_seconds = time.perf_counter() - start
+        peak_memory = mx.get_peak_memory()
+        fidelity = None
+        if reference is not None:
+            fidelity = teacher_force(model, prefill_end, first_logprobs, reference)
     return GenerationResult(
         output=tokenizer.decode(generated),
         prompt_tokens=len(prompt_tokens),
         output_tokens=len(generated),
         prefill_seconds=prefill_seconds,
         decode_seconds=decode_seconds,
-        peak_memory_bytes=mx.get_peak_memory(),
+        peak_memory_bytes=peak_memory,
         stop_reason=stop_reason,
         layer_stats=[_layer_row(i, cache) for i, cache in enumerate(caches)],
+        token_ids=generated,
+        logprobs=logprobs,
+        fidelity=fidelity,
     )
+
+
+def teacher_force(model, caches, first_logprobs: mx.array, reference: Reference) -> Fidelity:
+    """Feed ``reference`` to ``caches`` (as they were when prefill ended) and compare predictions.
+
+    ``first_logprobs`` ``[1, V]`` are the prefill's last-position log-probabilities,
+    which predict the first reference token; each reference token then predicts the next.
+    """
+    start = time.perf_counter()
+    matches, gap = 0, 0.0
+    token_logprobs = first_logprobs
+    for i, token in enumerate(reference.token_ids):
+        if i:
+            previous = reference.token_ids[i - 1]
+            token_logprobs = _logprobs(model(mx.array([[previous]]), cache=caches)[:, -1, :])
+        matches += int(mx.argmax(token_logprobs, axis=-1).item() == token)
+        gap += reference.logprobs[i] - token_logprobs[0, token].item()
+    n = len(reference.token_ids)
+    seconds = time.perf_counter() - start
+    if n == 0:
+        return Fidelity(agreement=1.0, nll_gap=0.0, seconds=seconds)
+    return Fidelity(agreement=matches / n, nll_gap=gap / n, seconds=seconds)
 
 
 def prefill(model, prompt_tokens, caches, step: int) -> mx.array:
     """Run the prompt through ``model`` in chunks of ``step`` tokens; returns the last logits ``[1, V]``.
 
-    Like ``mlx_lm.generate_step``: all but the last token in chunks (evaluating
-    the cache state after each), then the last token alone, which ends prefill.
+    Exactly like ``mlx_lm.generate_step``, phases not told: all but the last
+    token in chunks (evaluating the cache state after each), then the last
+    token alone, which ends prefill (the caches' fallback inference).
     """
     prompt = mx.array(prompt_tokens)
     for begin in range(0, prompt.size - 1, step):
@@ -96,9 +205,10 @@ def prefill(model, prompt_tokens, caches, step: int) -> mx.array:
     return model(prompt[None, -1:], cache=caches)[:, -1, :]
 
 
-def _sample(logits: mx.array, sampler) -> int:
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return sampler(logprobs).item()
+def _logprobs(logits: mx.array) -> mx.array:
+    """Log-probabilities ``[1, V]`` (float32) from the last position's logits."""
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def _layer_row(layer: int, cache) -> dict:

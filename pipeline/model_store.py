@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from velox_cache.prefill import CONTEXT_FIELDS, model_context
+
 from .model_import import COMPLETE_MARKER, ModelImportError, import_gguf
 from .platform import backend_name
 
@@ -111,6 +113,35 @@ def weights_mode(requested: str | None = None) -> str:
             raise ValueError(f"weights: '{mode}' is not one of float32, float16, bfloat16, quantized")
         return mode
     return "float32" if backend_name() == "cpu" else "quantized"
+
+
+def context_length(model) -> int | None:
+    """The number of positions the model was trained for, from its config; None if it does not say."""
+    return model_context(model)
+
+
+def config_context_length(config: dict) -> int | None:
+    """``context_length`` read from a model's ``config.json`` mapping instead of a loaded model."""
+    for name in CONTEXT_FIELDS:
+        value = config.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL):
+    """``(tokenizer, context length or None)`` without loading any weights: what a driver needs to plan.
+
+    The tokenizer is the one ``load_model`` returns for the same name (same files,
+    same end-of-sequence ids from the model's config).
+    """
+    from mlx_lm.utils import load_config
+    from mlx_lm.utils import load_tokenizer as load_mlx_tokenizer
+
+    path = resolve_model(name)
+    config = load_config(path)
+    tokenizer = load_mlx_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    return tokenizer, config_context_length(config)
 
 
 def load_model(name: str = DEFAULT_MODEL, *, weights: str | None = None):

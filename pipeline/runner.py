@@ -4,29 +4,42 @@ Exit statuses (also of ``velox-batch run``):
 
 * 0 every document was done, skipped by the limits, or already done before;
 * 1 at least one document failed (its error is stored; the run went on);
-* 2 the job spec, its input or its model is invalid (nothing was run);
-* 3 another run holds the store (nothing was run).
+* 2 the job spec, its input, its store path or its model is invalid, or the ray engine is not
+  installed or not reachable (nothing was run);
+* 3 another run holds the store (nothing was run);
+* 4 the run stopped on an unexpected error (a bug, a full disk): marked ``failed``;
+* 130 / 143 (128 + the signal) SIGINT (Ctrl-C) or SIGTERM stopped it: the document in
+  progress is abandoned (nothing of it is stored), the run is marked ``interrupted``, the
+  lock released; the next run resumes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import signal
 import socket
 import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from . import model_store
-from .generation import generate
+from .engines import BadModel, EngineUnavailable, make_engine
+from .persist import save_outcome, settle
+from .plan import DocumentPlan, plan_documents, streams
 from .platform import loaded_blas, package_version
-from .prompting import PromptTooLong, build_prompt
-from .similarity import rouge_l
-from .source import count_documents, iter_documents, open_dataset
-from .spec import JobSpec, SpecError, Variant, variant_hash
-from .store import Store, StoreLocked
+from .source import count_documents, open_dataset
+from .spec import JobSpec, SpecError
+from .store import Store, StoreError, StoreLocked
 
-EXIT_OK, EXIT_DOCUMENT_FAILED, EXIT_BAD_INPUT, EXIT_LOCKED = 0, 1, 2, 3
+EXIT_OK, EXIT_DOCUMENT_FAILED, EXIT_BAD_INPUT, EXIT_LOCKED, EXIT_CRASHED = 0, 1, 2, 3, 4
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def exit_status_for_signal(signum: int) -> int:
+    """128 + the signal number, as shells report a command a signal stopped: 130 SIGINT, 143 SIGTERM."""
+    return 128 + int(signum)
 
 
 class JobError(RuntimeError):
@@ -37,20 +50,65 @@ class JobError(RuntimeError):
         self.exit_status = exit_status
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived; raised where the runner was, so no handler for errors swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+
+
+class _SignalGuard:
+    """While armed, the first SIGINT or SIGTERM raises ``Interrupted``; later ones are ignored.
+
+    Only in the main thread (Python delivers signals there); elsewhere it does nothing.
+    """
+
+    def __init__(self):
+        self.armed = False
+
+    def _handler(self, signum, frame):
+        if self.armed:
+            self.armed = False
+            raise Interrupted(signum)
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    @contextmanager
+    def installed(self) -> Iterator["_SignalGuard"]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {signum: signal.getsignal(signum) for signum in HANDLED_SIGNALS}
+        self.armed = True
+        for signum in HANDLED_SIGNALS:
+            signal.signal(signum, self._handler)
+        try:
+            yield self
+        finally:
+            self.armed = False
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
 @dataclass
 class RunSummary:
     run_id: int
     db: str
     counts: dict = field(default_factory=dict)
+    status: str = "done"
+    signal: Optional[int] = None  # the signal that interrupted the run
+
+    @property
+    def signal_name(self) -> Optional[str]:
+        return signal.Signals(self.signal).name if self.signal is not None else None
 
     @property
     def exit_status(self) -> int:
+        if self.signal is not None:
+            return exit_status_for_signal(self.signal)
         return EXIT_DOCUMENT_FAILED if self.counts.get("documents_failed") else EXIT_OK
-
-
-def _doc_key(document_id: str, content_hash: str, settings_hash: str, variant: Variant) -> str:
-    raw = json.dumps([document_id, content_hash, settings_hash, variant_hash(variant)])
-    return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
 class Progress:
@@ -66,6 +124,15 @@ class Progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, unit="doc", file=self.stream)
+
+    def note(self, message: str) -> None:
+        """One line for the operator (not shown when quiet)."""
+        if self.quiet:
+            return
+        if self.bar is not None:
+            self.bar.write(f"note: {message}", file=self.stream)
+        else:
+            print(f"note: {message}", file=self.stream, flush=True)
 
     def document_done(self, document_id: str, outcomes: list[str], tokens_per_second: Optional[float]) -> None:
         self.count += 1
@@ -92,21 +159,38 @@ def run_job(
     load_model: Callable = model_store.load_model,
     progress_stream=None,
 ) -> RunSummary:
-    """Run ``spec``; raises ``JobError`` (exit status 2 or 3) when nothing can run."""
-    try:
-        dataset = open_dataset(spec)  # validates files and columns before any model is loaded
-    except SpecError as exc:
-        raise JobError(str(exc), EXIT_BAD_INPUT) from None
-    store = Store(spec.output.db)
-    try:
-        with store.locked():
-            store.close_abandoned_runs()
-            return _run_locked(spec, store, dataset, force, quiet, load_model, progress_stream)
-    except StoreLocked as exc:
-        raise JobError(str(exc), EXIT_LOCKED) from None
+    """Run ``spec`` on the engine it names; raises ``JobError`` (exit status 2, 3, 130 or 143) when nothing ran.
+
+    The run is three steps that both engines share: plan (``pipeline.plan``: store
+    reads decide which document × variant work is due), execute (``pipeline.execute``:
+    in this process or on Ray workers) and persist (``pipeline.persist``: store writes,
+    by this process only, under the run lock). ``load_model`` loads the model where
+    documents run (in a Ray worker, too: it must then be picklable).
+
+    SIGINT and SIGTERM stop the run between two Python steps (at the latest after the
+    prefill chunk or decode step in progress): the summary then has ``status``
+    ``interrupted`` and ``signal`` set. Any other exception marks the run ``failed``
+    and propagates.
+    """
+    guard = _SignalGuard()
+    with guard.installed():
+        try:
+            dataset = open_dataset(spec)  # validates files and columns before any model is loaded
+            engine = make_engine(spec.engine, load_model=load_model)
+            store = Store(spec.output.db)
+            with store.locked():
+                store.close_abandoned_runs()
+                return _run_locked(spec, store, dataset, engine, force, quiet, progress_stream, guard)
+        except (SpecError, StoreError, EngineUnavailable) as exc:
+            raise JobError(str(exc), EXIT_BAD_INPUT) from None
+        except StoreLocked as exc:
+            raise JobError(str(exc), EXIT_LOCKED) from None
+        except Interrupted as exc:
+            message = f"interrupted by {exc} before the run started; nothing was run"
+            raise JobError(message, exit_status_for_signal(exc.signum)) from None
 
 
-def _run_locked(spec, store, dataset, force, quiet, load_model, progress_stream) -> RunSummary:
+def _run_locked(spec, store, dataset, engine, force, quiet, progress_stream, guard) -> RunSummary:
     import mlx.core as mx
 
     total_rows = count_documents(dataset)
@@ -125,95 +209,86 @@ def _run_locked(spec, store, dataset, force, quiet, load_model, progress_stream)
             "device": f"{mx.default_device()} ({model_store.backend_name()}; BLAS: {loaded_blas()})",
             "host": socket.gethostname(),
             "documents_total": total * len(spec.variants),
+            "engine": engine.name,
+            "workers": engine.workers,
+            "address": engine.address,
         }
     )
     counts = {"documents_done": 0, "documents_skipped": 0, "documents_failed": 0, "documents_unchanged": 0}
+    status, error, signum, progress = "failed", None, None, None
     try:
-        model, tokenizer = load_model(spec.model)
-    except (model_store.ModelImportError, ValueError, OSError) as exc:
-        store.finish_run(run_id, "failed", counts)
-        raise JobError(f"model: {exc}", EXIT_BAD_INPUT) from None
-    settings_hash = spec.settings_hash()
-    variants = sorted(spec.variants, key=lambda v: v.cache.method != "full")  # full first
-    progress = Progress(total, quiet, progress_stream)
-    status = "interrupted"
-    try:
-        for index, document in enumerate(iter_documents(spec, dataset)):
-            if limit and index >= limit:
-                break
-            outcomes, rates = [], []
-            for variant in variants:
-                outcome, rate = _process(spec, store, run_id, model, tokenizer, document, variant, settings_hash, force)
+        tokenizer, context = _start(spec, engine)
+        store.update_run(run_id, workers=engine.workers, address=engine.address)
+        settings_hash = spec.output_settings_hash(weights=model_store.weights_mode())
+        progress = Progress(total, quiet, progress_stream)
+        if spec.input.prompt_column and any(streams(v) for v in spec.variants):
+            progress.note(
+                "input.prompt_column: a ready prompt has no instruction to probe with; streaming variants "
+                "rank each chunk by its own last queries (SnapKV per chunk)"
+            )
+        running: dict[int, DocumentPlan] = {}
+
+        def document_finished(plan: DocumentPlan, outcomes: list[str], rates: list[float]) -> None:
+            """Count one document's outcomes (one per variant, in ``plan.variants`` order) and report it."""
+            for outcome in outcomes:
                 counts[f"documents_{outcome}"] += 1
-                outcomes.append(f"{variant.name} {outcome}")
-                if rate:
-                    rates.append(rate)
             store.update_run(run_id, **counts)
-            progress.document_done(document.document_id, outcomes, sum(rates) / len(rates) if rates else None)
+            labels = [f"{entry.variant.name} {outcome}" for entry, outcome in zip(plan.variants, outcomes)]
+            progress.document_done(plan.prepared.document.document_id, labels, sum(rates) / len(rates) if rates else None)
+
+        def due_work():
+            """Settle what needs no running, in input order; hand the rest to the engine."""
+            for plan in plan_documents(spec, dataset, store, tokenizer, context, settings_hash, force=force):
+                settled = [settle(store, run_id, plan, entry) for entry in plan.variants if entry.state != "due"]
+                if plan.work is None:
+                    document_finished(plan, settled, [])
+                else:
+                    running[plan.index] = plan
+                    yield plan.work
+
+        for item, outcomes in engine.run(due_work()):
+            plan = running.pop(item.index)
+            results = {outcome.variant: save_outcome(store, run_id, plan, outcome) for outcome in outcomes}
+            labels = [results[e.variant.name][0] if e.state == "due" else e.state for e in plan.variants]
+            document_finished(plan, labels, [rate for _, rate in results.values() if rate])
         status = "done_with_errors" if counts["documents_failed"] else "done"
+    except Interrupted as exc:
+        status, error, signum = "interrupted", str(exc), exc.signum
+    except KeyboardInterrupt:  # raised by code that turned a SIGINT into one itself
+        status, error, signum = "interrupted", "SIGINT", int(signal.SIGINT)
+    except JobError as exc:
+        error = str(exc)
+        raise
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        raise
     finally:
-        progress.close()
-        store.finish_run(run_id, status, counts)
-    return RunSummary(run_id, str(spec.output.db), counts)
+        guard.disarm()  # the run is marked and the lock released whatever arrives now
+        if progress is not None:
+            progress.close()
+        try:
+            engine.close()
+        finally:
+            try:
+                store.finish_run(run_id, status, counts, error=error)
+            except Exception:
+                if error is None or status == "interrupted":
+                    raise  # otherwise the error that stopped the run is the one to report
+    return RunSummary(run_id, str(spec.output.db), counts, status=status, signal=signum)
 
 
-def _process(spec, store, run_id, model, tokenizer, document, variant, settings_hash, force):
-    """One document × variant; returns (outcome, decode tokens/s or None)."""
-    config = variant.cache
-    key = _doc_key(document.document_id, document.content_hash, settings_hash, variant)
-    if not force and store.is_done(key):
-        return "unchanged", None
-    row = {
-        "doc_key": key,
-        "run_id": run_id,
-        "document_id": document.document_id,
-        "content_hash": document.content_hash,
-        "settings_hash": settings_hash,
-        "variant": variant.name,
-        "method": config.method,
-        "budget": None if config.method == "full" else config.budget,
-        "scoring": None if config.method == "full" else config.scoring,
-    }
-    if document.error:
-        store.save_document({**row, "status": "error", "error": document.error}, [])
-        return "failed", None
+def _start(spec: JobSpec, engine):
+    """Start ``engine``: ``(tokenizer, context length or None)``; a bad model or a context too small is a ``JobError``."""
     try:
-        prompt = build_prompt(spec, tokenizer, document)
-    except PromptTooLong as exc:
-        if spec.limits.on_too_long == "skip":
-            store.save_document({**row, "status": "skipped", "error": str(exc)}, [])
-            return "skipped", None
-        store.save_document({**row, "status": "error", "error": str(exc)}, [])
-        return "failed", None
-    try:
-        result = generate(model, tokenizer, prompt.tokens, config, spec.generation)
-    except Exception as exc:  # one bad document must not stop the night's run
-        store.save_document({**row, "status": "error", "error": f"{type(exc).__name__}: {exc}", "prompt_tokens": len(prompt.tokens)}, [])
-        return "failed", None
-    similarity = None
-    if config.method != "full":
-        reference = store.full_output(document.document_id, document.content_hash, settings_hash)
-        similarity = rouge_l(result.output, reference) if reference is not None else None
-    store.save_document(
-        {
-            **row,
-            "status": "done",
-            "output": result.output,
-            "prompt_tokens": result.prompt_tokens,
-            "truncated": int(prompt.truncated),
-            "output_tokens": result.output_tokens,
-            "prefill_seconds": result.prefill_seconds,
-            "decode_seconds": result.decode_seconds,
-            "prefill_tokens_per_second": result.prefill_tokens_per_second,
-            "decode_tokens_per_second": result.decode_tokens_per_second,
-            "peak_memory_bytes": result.peak_memory_bytes,
-            "stop_reason": result.stop_reason,
-            "rouge_l_vs_full": similarity,
-            **result.totals(),
-        },
-        result.layer_stats,
-    )
-    if config.method == "full":
-        for other_row, output in store.compressed_outputs(document.document_id, document.content_hash, settings_hash):
-            store.set_similarity(other_row, rouge_l(output, result.output))
-    return "done", result.decode_tokens_per_second
+        tokenizer, context = engine.start(spec)
+    except BadModel as exc:
+        raise JobError(f"model: {exc}", EXIT_BAD_INPUT) from None
+    except EngineUnavailable as exc:
+        raise JobError(str(exc), EXIT_BAD_INPUT) from None
+    if context is not None and spec.generation.max_tokens >= context:
+        raise JobError(
+            f"generation.max_tokens: {spec.generation.max_tokens} leaves no room for a prompt in the "
+            f"model's context of {context} positions",
+            EXIT_BAD_INPUT,
+        )
+    return tokenizer, context

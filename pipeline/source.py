@@ -10,6 +10,7 @@ from typing import Iterator, Optional
 
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 
 from .spec import JobSpec, SpecError, input_files
 
@@ -27,20 +28,59 @@ class Document:
 
 
 def open_dataset(spec: JobSpec) -> ds.Dataset:
-    """The input as a pyarrow dataset, after checking that every needed column exists."""
+    """The input as a pyarrow dataset, after checking every file's schema.
+
+    Each file must be Parquet and hold every column the job reads, with the same
+    type in every file (``string`` and ``large_string``, ``binary`` and
+    ``large_binary``, and integer widths may mix). Only footers are read here.
+    """
     files = input_files(spec)
-    try:
-        dataset = ds.dataset([str(f) for f in files], format="parquet")
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise SpecError(f"input.path: cannot read Parquet ({exc})") from None
-    available = dataset.schema.names
-    for column in spec.input.columns():
-        if column not in available:
-            raise SpecError(
-                f"input: column '{column}' not found in {files[0]}"
-                f"{' (and others)' if len(files) > 1 else ''}; columns: {', '.join(available)}"
-            )
-    return dataset
+    columns = spec.input.columns()
+    seen: dict[str, tuple[pa.DataType, Path]] = {}
+    for path in files:
+        try:
+            schema = pq.read_schema(path)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise SpecError(f"input.path: {path}: not a Parquet file ({exc})") from None
+        for column in columns:
+            if column not in schema.names:
+                raise SpecError(f"input: column '{column}' not found in {path}; columns: {', '.join(schema.names)}")
+            kind = schema.field(column).type
+            if column not in seen:
+                seen[column] = (kind, path)
+                continue
+            first_kind, first_path = seen[column]
+            merged = _common_type(first_kind, kind)
+            if merged is None:
+                raise SpecError(
+                    f"input: column '{column}' is {kind} in {path} but {first_kind} in {first_path}; "
+                    "every input file needs the same column types"
+                )
+            seen[column] = (merged, first_path)
+    schema = pa.schema([(column, seen[column][0]) for column in columns])
+    return ds.dataset([str(f) for f in files], format="parquet", schema=schema)
+
+
+def _type_family(kind: pa.DataType) -> str:
+    if pa.types.is_dictionary(kind):
+        return _type_family(kind.value_type)
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        return "string"
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        return "binary"
+    if pa.types.is_signed_integer(kind):
+        return "integer"
+    return str(kind)
+
+
+def _common_type(first: pa.DataType, other: pa.DataType) -> Optional[pa.DataType]:
+    """One type both columns can be read as, or None when they disagree."""
+    if first == other:
+        return first
+    family = _type_family(first)
+    if family != _type_family(other):
+        return None
+    return {"string": pa.large_string(), "binary": pa.large_binary(), "integer": pa.int64()}.get(family)
 
 
 def count_documents(dataset: ds.Dataset) -> int:

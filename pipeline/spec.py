@@ -11,6 +11,7 @@ import difflib
 import glob
 import hashlib
 import json
+import math
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,11 @@ import yaml
 
 from velox_cache import ConfigError, KVCacheConfig
 
+from .store import DEFAULT_DB
+
 ON_TOO_LONG = ("truncate", "skip", "fail")
+ENGINES = ("in-process", "ray")
+SEED_LIMIT = 2**64  # mlx.random.seed takes an unsigned 64-bit integer
 
 
 class SpecError(ValueError):
@@ -39,8 +44,7 @@ class InputSpec:
 
     def template_columns(self) -> list[str]:
         """Columns the prompt template refers to (``{text}`` means ``text_column``)."""
-        names = [name for _, name, _, _ in string.Formatter().parse(self.prompt_template) if name]
-        return [self.text_column if name == "text" else name for name in names]
+        return [self.text_column if name == "text" else name for name in template_fields(self.prompt_template)]
 
     def columns(self) -> list[str]:
         """Every column a run reads."""
@@ -61,13 +65,29 @@ class GenerationSpec:
 @dataclass
 class LimitsSpec:
     max_prompt_tokens: Optional[int] = None
-    on_too_long: str = "truncate"
+    on_too_long: Optional[str] = None  # truncate for text_column, fail for a ready prompt_column
     max_documents: Optional[int] = None
 
 
 @dataclass
 class OutputSpec:
-    db: str = "velox.db"
+    db: str = DEFAULT_DB
+
+
+@dataclass
+class EngineSpec:
+    """Where documents run: ``in-process`` (one model in this process) or ``ray`` (many workers).
+
+    ``workers``, ``address``, ``cpus_per_worker`` and ``max_retries`` apply to ``ray`` only.
+    ``workers`` defaults to every CPU (of this machine, or of the cluster when joining one);
+    ``address`` (else ``$RAY_ADDRESS``) joins a running cluster instead of starting Ray here.
+    """
+
+    name: str = "in-process"
+    workers: Optional[int] = None
+    address: Optional[str] = None
+    cpus_per_worker: int = 1  # CPUs each worker reserves, and its BLAS threads
+    max_retries: int = 2  # tries of one document after the first, when its worker dies on it
 
 
 @dataclass
@@ -85,10 +105,11 @@ class JobSpec:
     generation: GenerationSpec = field(default_factory=GenerationSpec)
     limits: LimitsSpec = field(default_factory=LimitsSpec)
     output: OutputSpec = field(default_factory=OutputSpec)
+    engine: EngineSpec = field(default_factory=EngineSpec)
     source: Optional[str] = None  # the spec file
 
     def settings_hash(self) -> str:
-        """Hash of everything except the variants that changes a document's output."""
+        """Hash of the job's settings apart from its variants (recorded per run as ``spec_hash``)."""
         settings = {
             "model": self.model,
             "input": {k: v for k, v in dataclasses.asdict(self.input).items() if k != "path"},
@@ -96,6 +117,15 @@ class JobSpec:
             "limits": {k: v for k, v in dataclasses.asdict(self.limits).items() if k != "max_documents"},
         }
         return _hash(settings)
+
+    def output_settings_hash(self, **extra) -> str:
+        """Hash of what decides a document's output besides its prompt tokens and variant.
+
+        That is the model (``extra`` adds how it was loaded, e.g. its weights) and the
+        generation settings; limits are left out: they decide the prompt, and the
+        prompt's own tokens are hashed separately.
+        """
+        return _hash({"model": self.model, "generation": dataclasses.asdict(self.generation), **extra})
 
     def as_dict(self) -> dict:
         data = dataclasses.asdict(self)
@@ -111,9 +141,54 @@ def variant_hash(variant: Variant) -> str:
     return _hash({"name": variant.name, **dataclasses.asdict(variant.cache)})
 
 
+_BRACES_HINT = "to write braces as text, double them: {{ and }}"
+
+
+def template_fields(template: str) -> list[str]:
+    """The column fields of a prompt template, parsed as ``str.format`` parses it.
+
+    Only plain ``{column}`` fields are allowed; anything else (``{}``, ``{0}``,
+    ``{text.upper}``, ``{text!r}``, a stray brace, JSON such as ``{"a": 1}``)
+    raises ``SpecError`` saying to double literal braces.
+    """
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise SpecError(f"input.prompt_template: {exc}; {_BRACES_HINT}") from None
+    names = []
+    for _, name, format_spec, conversion in parsed:
+        if name is None:
+            continue
+        plain = name and name.strip() == name and not name.isdigit() and not any(c in name for c in ".[]{}'\"")
+        if not plain or format_spec or conversion:
+            field_text = "{" + name + (f"!{conversion}" if conversion else "") + (f":{format_spec}" if format_spec else "") + "}"
+            raise SpecError(
+                f"input.prompt_template: '{field_text}' is not a column field (write {{column}}); {_BRACES_HINT}"
+            )
+        names.append(name)
+    return names
+
+
 # ----- validation -----------------------------------------------------------------------------
 
 _TYPES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark, f"found duplicate key '{key}'", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _section(cls, raw: Any, where: str):
@@ -195,7 +270,7 @@ def parse_spec(raw: Any, where: str = "spec") -> JobSpec:
     """Validate a spec mapping; errors name the field."""
     if not isinstance(raw, dict):
         raise SpecError(f"{where}: expected a mapping at the top level")
-    top = {"name", "model", "input", "generation", "cache", "variants", "limits", "output"}
+    top = {"name", "model", "input", "generation", "cache", "variants", "limits", "output", "engine"}
     for key in raw:
         if key not in top:
             close = difflib.get_close_matches(str(key), sorted(top), n=1)
@@ -216,38 +291,72 @@ def parse_spec(raw: Any, where: str = "spec") -> JobSpec:
             generation=_section(GenerationSpec, raw.get("generation"), "generation"),
             limits=_section(LimitsSpec, raw.get("limits"), "limits"),
             output=_section(OutputSpec, raw.get("output"), "output"),
+            engine=_section(EngineSpec, raw.get("engine"), "engine"),
         )
-        _check_values(spec)
+        validate(spec)
     except SpecError as exc:
         raise SpecError(f"{where}: {exc}") from None
     return spec
 
 
-def _check_values(spec: JobSpec) -> None:
+def validate(spec: JobSpec) -> None:
+    """Check a spec's values (again after command-line overrides); errors name the field.
+
+    Fills the one default that depends on another field: ``limits.on_too_long`` is
+    ``truncate`` for a ``text_column`` and ``fail`` for a ready ``prompt_column``.
+    """
     inp, gen, lim = spec.input, spec.generation, spec.limits
+    if not inp.path.strip():
+        raise SpecError("input.path: must not be empty")
     if bool(inp.text_column) == bool(inp.prompt_column):
         raise SpecError("input: give exactly one of text_column and prompt_column")
     if inp.text_column:
-        try:
-            inp.prompt_template.format(**{name: "" for name in ["text", *inp.template_columns()]})
-        except (KeyError, ValueError, IndexError) as exc:
-            raise SpecError(f"input.prompt_template: cannot be filled ({exc})") from None
-        if "{text}" not in inp.prompt_template:
-            raise SpecError("input.prompt_template: must contain {text}")
+        fields = template_fields(inp.prompt_template)
+        if "text" not in fields:
+            hint = " ({{text}} is the literal text {text})" if "{{text}}" in inp.prompt_template else ""
+            raise SpecError(f"input.prompt_template: must contain the field {{text}}{hint}")
     if gen.max_tokens < 1:
         raise SpecError(f"generation.max_tokens: must be at least 1, got {gen.max_tokens}")
+    if not math.isfinite(gen.temperature):
+        raise SpecError(f"generation.temperature: must be a finite number, got {gen.temperature}")
     if gen.temperature < 0:
         raise SpecError(f"generation.temperature: must be at least 0, got {gen.temperature}")
     if not 0 < gen.top_p <= 1:
         raise SpecError(f"generation.top_p: must be in (0, 1], got {gen.top_p}")
+    if not 0 <= gen.seed < SEED_LIMIT:
+        raise SpecError(f"generation.seed: must be in [0, 2**64), got {gen.seed}")
     if gen.prefill_step_size < 1:
         raise SpecError(f"generation.prefill_step_size: must be at least 1, got {gen.prefill_step_size}")
+    if lim.on_too_long is None:
+        lim.on_too_long = "fail" if inp.prompt_column else "truncate"
     if lim.on_too_long not in ON_TOO_LONG:
         raise SpecError(f"limits.on_too_long: {lim.on_too_long!r} is not one of {', '.join(ON_TOO_LONG)}")
+    if lim.on_too_long == "truncate" and inp.prompt_column:
+        raise SpecError(
+            "limits.on_too_long: 'truncate' cannot cut a ready prompt (input.prompt_column); use skip or fail"
+        )
     if lim.max_prompt_tokens is not None and lim.max_prompt_tokens < 1:
         raise SpecError(f"limits.max_prompt_tokens: must be at least 1, got {lim.max_prompt_tokens}")
     if lim.max_documents is not None and lim.max_documents < 1:
         raise SpecError(f"limits.max_documents: must be at least 1, got {lim.max_documents}")
+    _validate_engine(spec.engine)
+
+
+def _validate_engine(engine: EngineSpec) -> None:
+    if engine.name not in ENGINES:
+        raise SpecError(f"engine.name: {engine.name!r} is not one of {', '.join(ENGINES)}")
+    if engine.workers is not None and engine.workers < 1:
+        raise SpecError(f"engine.workers: must be at least 1, got {engine.workers}")
+    if engine.cpus_per_worker < 1:
+        raise SpecError(f"engine.cpus_per_worker: must be at least 1, got {engine.cpus_per_worker}")
+    if engine.max_retries < 0:
+        raise SpecError(f"engine.max_retries: must be at least 0, got {engine.max_retries}")
+    if engine.address is not None and not engine.address.strip():
+        raise SpecError("engine.address: must not be empty (leave it out to start Ray on this machine)")
+    if engine.name == "in-process":
+        for name in ("workers", "address"):
+            if getattr(engine, name) is not None:
+                raise SpecError(f"engine.{name}: only the ray engine has {name} (set engine.name: ray or --engine ray)")
 
 
 def load_spec(path: str | Path) -> JobSpec:
@@ -256,7 +365,7 @@ def load_spec(path: str | Path) -> JobSpec:
     if not path.is_file():
         raise SpecError(f"{path}: job spec file not found")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         raise SpecError(f"{path}: not valid YAML: {exc}") from None
     spec = parse_spec(raw, where=str(path))

@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 import velox_cache
-from bench.architectures import max_difference, run_sequence, velox_layers
+from bench.architectures import cache_scoring, max_difference, run_sequence, velox_layers
 from tests.architectures import VOCAB, build
 from velox_cache import KVCacheBuilder, KVCacheConfig
 from velox_cache.accounting import CacheAccounting, layer_stats
@@ -47,27 +47,39 @@ def _run(model, caches, scoring):
     return run_sequence(model, tokens(), caches, chunk=7, scoring=scoring)
 
 
-@pytest.mark.parametrize("scoring", ["key_proxy", "observed"])
+@pytest.mark.parametrize("scoring", ["key_proxy", "fast", "observed"])  # fast: key proxy inside fast_attention
 @pytest.mark.parametrize("method", ["pyramidkv", "squeeze"])
 @pytest.mark.parametrize("model_type", COMPRESSIBLE)
 def test_full_budget_gives_plain_logits_and_small_budget_is_bounded(models, model_type, method, scoring):
     model = tiny(models, model_type)
-    if scoring == "observed" and model_type in NOT_OBSERVABLE:
-        with pytest.raises(velox_cache.ObservationError, match="cannot be observed"):
-            with velox_cache.observe(model):
-                pass
+    if scoring != "key_proxy" and model_type in NOT_OBSERVABLE:
+        with pytest.raises(velox_cache.ObservationError, match="cannot (be observed|use Velox attention)"):
+            _run(model, make_prompt_cache(model), scoring)
         return
     expected = _run(model, make_prompt_cache(model), "key_proxy")
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, budget=4 * TOKENS, scoring=scoring))
-    got = _run(model, caches, scoring)
+    config = KVCacheConfig(method=method, budget=4 * TOKENS, scoring=cache_scoring(scoring))
+    got = _run(model, KVCacheBuilder.for_model(model, config), scoring)
     assert max_difference(expected, got) < 1e-4
 
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, budget=8, n_sink=2, scoring=scoring))
+    config = KVCacheConfig(method=method, budget=8, n_sink=2, scoring=cache_scoring(scoring))
+    caches = KVCacheBuilder.for_model(model, config)
     _run(model, caches, scoring)
     compressed = velox_layers(caches)
     assert compressed and all(c.tokens_kept <= c.layer_budget for c in compressed)
     assert sum(c.layer_budget for c in compressed) == 8 * len(compressed), "mean budget over compressed layers"
     assert all(c.tokens_kept < c.offset for c in compressed), "every compressed layer evicted"
+
+
+@pytest.mark.parametrize("model_type", sorted(set(COMPRESSIBLE) - NOT_OBSERVABLE))
+def test_fast_attention_with_the_model_caches_gives_plain_logits(models, model_type):
+    """Every layer on Velox's attention (sinks and calls the kernel cannot take fall back to mlx-lm's)."""
+    model = tiny(models, model_type)
+    if model_type == "gpt_oss":
+        for layer in model.model.layers:  # make the sinks matter
+            layer.self_attn.sinks = mx.full(layer.self_attn.sinks.shape, 2.0)
+    expected = _run(model, make_prompt_cache(model), "key_proxy")
+    got = _run(model, make_prompt_cache(model), "fast")
+    assert max_difference(expected, got) < 1e-4
 
 
 def _kinds(caches):
@@ -191,8 +203,9 @@ def test_a_layer_whose_attention_bypasses_the_observer_falls_back_explicitly(tin
     assert cache.tokens_kept <= 16
 
 
-def test_observed_attention_rebuilds_a_mask_built_for_another_layer():
-    cache = velox_cache.KVCacheFactory.create(KVCacheConfig(method="h2o", budget=64, scoring="observed"))
+@pytest.mark.parametrize("scoring", ["key_proxy", "observed"])  # key proxy: routed by fast_attention
+def test_routed_attention_rebuilds_a_mask_built_for_another_layer(scoring):
+    cache = velox_cache.KVCacheFactory.create(KVCacheConfig(method="h2o", budget=64, scoring=scoring))
     mx.random.seed(3)
     queries, keys = mx.random.normal((1, 4, 5, 16)), mx.random.normal((1, 2, 9, 16))
     held, values = cache.update_and_fetch(keys, keys)
@@ -202,17 +215,23 @@ def test_observed_attention_rebuilds_a_mask_built_for_another_layer():
     assert mx.allclose(output, expected, atol=1e-5)
 
 
-def test_attention_probs_with_sinks_match_the_fused_kernel():
+def test_attention_with_sinks_matches_the_fused_kernel_and_scores_with_them():
     from velox_cache import attention
+    from velox_cache.attend import kernel_supports
 
     mx.random.seed(2)
     queries, keys, values = (mx.random.normal((1, 4, 6, 16)), mx.random.normal((1, 2, 6, 16)),
                              mx.random.normal((1, 2, 6, 16)))
     sinks = mx.array([0.5, 2.0, -1.0, 3.0])
-    probs = attention.attention_probs(queries, keys, 0.25, "causal", sinks=sinks)
+    probs = attention.attention_probs(queries, keys, 0.25, "causal", sinks=sinks)  # [B, H, R, S, N]
     expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.25, mask="causal", sinks=sinks)
-    assert mx.allclose(attention.attend(probs, values, mx.float32), expected, atol=1e-5)
+    by_probs = (probs @ mx.expand_dims(values, 2)).reshape(expected.shape)
+    assert mx.allclose(by_probs, expected, atol=1e-5)
     assert (probs.sum(axis=-1) < 1).all().item()
+    assert not kernel_supports(queries, keys, values, "causal", sinks)
+    result = velox_cache.attend_and_score(queries, keys, values, scale=0.25, mask="causal", sinks=sinks, score_rows=6)
+    assert mx.allclose(result.output, expected, atol=1e-5)
+    assert mx.allclose(result.key_mass, attention.key_mass(probs), atol=1e-5)
 
 
 def test_window_selection_uses_the_observed_scale():
@@ -238,21 +257,45 @@ def test_the_job_runner_stores_one_row_per_layer_of_a_hybrid(models, tmp_path):
     from types import SimpleNamespace
 
     from pipeline.generation import generate
+    from pipeline.report import write_report
     from pipeline.spec import GenerationSpec
-    from pipeline.store import Store
+    from pipeline.store import Store, report_layers
 
     model = tiny(models, "gemma3_text")
     tokenizer = SimpleNamespace(eos_token_ids=[], decode=lambda ids: " ".join(map(str, ids)))
     config = KVCacheConfig(method="pyramidkv", budget=8, n_sink=2)
     result = generate(model, tokenizer, tokens().tolist(), config, GenerationSpec(max_tokens=4, prefill_step_size=7))
-    store = Store(tmp_path / "store.db")
-    row = {"doc_key": "k", "run_id": None, "document_id": "d", "variant": "v", "method": "pyramidkv", "status": "done"}
-    store.save_document(row, result.layer_stats)
-    stored = store.db.execute("select layer, method, cache_kind, layer_budget from layer_stats order by layer").fetchall()
+    db = tmp_path / "store.db"
+    with Store(db).locked() as store:
+        run_id = store.start_run({"job_name": "hybrid"})
+        row = {"doc_key": "k", "run_id": run_id, "document_id": "d", "variant": "v", "method": "pyramidkv",
+               "status": "done", "prompt_tokens": TOKENS, **result.totals()}
+        store.save_document(row, result.layer_stats)
+        query = "select layer, method, cache_kind, layer_budget from layer_stats order by layer"
+        stored = store.db.execute(query).fetchall()
     assert [r[2] for r in stored] == ["RotatingKVCache", "RotatingKVCache", "PyramidKVCache"] * 2
     assert {r[1] for r in stored} == {"pyramidkv"}
     assert [r[3] is None for r in stored] == [True, True, False] * 2
     assert result.totals()["compression_ratio"] > 1
+    layers = report_layers(db, run_id)
+    assert [r["mean_budget"] is None for r in layers] == [True, True, False] * 2
+    write_report(db, tmp_path / "report.html", run_id=run_id)  # layers without a budget are charted as gaps
+
+
+def test_the_job_runner_runs_a_model_whose_attention_cannot_be_routed(models):
+    from types import SimpleNamespace
+
+    from pipeline.generation import generate
+    from pipeline.spec import GenerationSpec
+
+    model = tiny(models, "gemma2")  # attention written by hand: no fast_attention, key proxy
+    tokenizer = SimpleNamespace(eos_token_ids=[], decode=lambda ids: " ".join(map(str, ids)))
+    settings = GenerationSpec(max_tokens=4, prefill_step_size=7)
+    for method in ("full", "pyramidkv"):
+        result = generate(model, tokenizer, tokens().tolist(), KVCacheConfig(method=method, budget=8), settings)
+        assert result.output_tokens == 4
+    with pytest.raises(velox_cache.ObservationError):
+        generate(model, tokenizer, tokens().tolist(), KVCacheConfig(method="pyramidkv", scoring="observed"), settings)
 
 
 def test_window_kept_as_computed_matches_window_recomputed_across_chunks():
@@ -274,3 +317,39 @@ def test_window_kept_as_computed_matches_window_recomputed_across_chunks():
         cache.update_and_fetch(one, one)  # ends prefill: window selection
     assert mx.allclose(recomputed.scores[..., :15], kept.scores[..., :15], atol=1e-5)
     assert recomputed.scores[..., :15].sum().item() > 0
+
+
+def test_window_attention_kept_as_computed_follows_the_slots_through_eviction():
+    from velox_cache.selection import WindowSelector
+
+    selector = WindowSelector(window=2, kernel=1)
+    selector.remember_mass(mx.array([[[[0.1, 0.2, 0.3, 0.4], [0.0, 0.5, 0.0, 0.5]]]]))  # [B, H, rows, N]
+    selector.keep(mx.array([[[1, 3, 4]]]), 5)  # slot 4 arrived after the mass was taken
+    assert mx.allclose(selector.mass, mx.array([[[[0.2, 0.4, 0.0], [0.5, 0.5, 0.0]]]]))
+    scores = selector.scores(mx.zeros((1, 1, 4, 8)), mx.zeros((1, 1, 4)))  # one more key held by now
+    assert mx.allclose(scores, mx.array([[[0.7, 0.9, 0.0, 0.0]]]))
+
+
+@pytest.mark.parametrize("scoring", ["key_proxy", "observed"])
+def test_streaming_prefill_on_latent_attention_and_a_hybrid(models, scoring):
+    """Probes and window selection on MLA (kept-as-computed window) and on a CacheList hybrid (probe refused)."""
+    model = tiny(models, "deepseek_v3")  # one array mask for every layer: equal budgets (snapkv)
+    ids = tokens().tolist()
+
+    def prefill(model, method):
+        config = KVCacheConfig(method=method, budget=8, n_sink=2, eviction="streaming", scoring=scoring)
+        caches = KVCacheBuilder.for_model(model, config)
+        context = velox_cache.observe(model) if scoring == "observed" else velox_cache.fast_attention(model)
+        with context:
+            logits = velox_cache.prefill_phases(model, caches, document=ids[:24], instruction=ids[24:], chunk_size=8)
+        return caches, logits
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        caches, logits = prefill(model, "snapkv")
+    assert mx.isfinite(logits).all().item()
+    assert all(c.tokens_kept <= c.layer_budget + 6 and c.tokens_seen for c in caches)
+    with pytest.raises(MaskMismatchError):  # per-layer budgets, evicted between chunks
+        prefill(model, "pyramidkv")
+    with pytest.raises(TypeError, match=r"caches\[0\]: ArraysCache cannot drop a probe"):
+        prefill(tiny(models, "falcon_h1"), "pyramidkv")

@@ -49,3 +49,32 @@ def test_from_dict_suggests_the_field_meant():
     with pytest.raises(ConfigError, match=r"^cache.budget"):
         KVCacheConfig.from_dict({"budget": -3})
     assert KVCacheConfig.from_dict({"method": "snapkv", "snapkv_window": 16}).window == 16
+
+
+@pytest.mark.parametrize("value", ["0%", "150%", "25", "%", "a%", "-5%"])
+def test_bad_percentage_budgets_name_the_field(value):
+    with pytest.raises(ConfigError, match="^budget"):
+        KVCacheConfig(budget=value)
+
+
+@pytest.mark.parametrize(
+    "value, prompt_tokens, expected", [("25%", 1000, 250), ("12.5%", 64, 8), ("100%", 300, 300), ("1%", 10, 5)]
+)
+def test_percentage_budgets_resolve_per_prompt(value, prompt_tokens, expected):
+    config = KVCacheConfig(method="pyramidkv", budget=value)
+    assert config.budget_fraction == pytest.approx(float(value[:-1]) / 100)
+    assert config.resolved_for(prompt_tokens).budget == expected  # at least n_sink + 1
+    assert KVCacheConfig(budget=256).resolved_for(10).budget == 256
+
+
+def test_a_percentage_budget_is_resolved_by_the_builder(tiny_model):
+    from velox_cache import KVCacheBuilder, KVCacheFactory, pyramid_budgets
+
+    model, _ = tiny_model
+    config = KVCacheConfig(method="pyramidkv", budget="25%")
+    caches = KVCacheBuilder.for_model(model, config, prompt_tokens=400)
+    assert [c.layer_budget for c in caches] == pyramid_budgets(4, 100, 4, 3.0)
+    assert KVCacheFactory.create(KVCacheConfig(method="h2o", budget="50%"), prompt_tokens=64).layer_budget == 32
+    with pytest.raises(ConfigError, match="budget.*prompt_tokens"):
+        KVCacheBuilder.for_model(model, config)
+    assert len(KVCacheBuilder.for_model(model, KVCacheConfig(method="full", budget="25%"))) == 4

@@ -159,12 +159,16 @@ def test_killed_run_resumes_with_nothing_lost_or_doubled(job, tmp_path):
     stored = rows(db, "select count(*) from documents")[0][0]
     assert 5 <= stored < 120
     assert rows(db, "select status from runs") == [("running",)]
+    with sqlite3.connect(db) as conn:  # as if it had been killed long ago
+        conn.execute("update documents set created_at = '2001-01-01T00:00:00+00:00'")
     resumed = invoke("run", path, "-q")
     assert resumed.exit_code == 0, resumed.output
     assert rows(db, "select count(*), count(distinct doc_key) from documents") == [(120, 120)]
     assert rows(db, "select count(*) from documents where status != 'done'") == [(0,)]
     assert rows(db, "select count(*) from layer_stats") == [(120 * 4,)]
     assert rows(db, "select id, status from runs order by id") == [(1, "interrupted"), (2, "done")]
+    # the killed run ended when it stored its last document, not when the next run started
+    assert rows(db, "select ended_at from runs where id = 1") == [("2001-01-01T00:00:00+00:00",)]
     assert rows(db, "select documents_unchanged + documents_done from runs where id = 2") == [(120,)]
 
 
@@ -252,6 +256,28 @@ def test_overrides_select_variants_db_and_limit(job, tmp_path):
     result = invoke("run", job(), "--variant", "squeeze", "--db", other, "--limit", "2", "-q")
     assert result.exit_code == 0
     assert rows(other, "select variant, count(*) from documents group by variant") == [("squeeze", 2)]
+
+
+def test_a_store_from_before_cache_kinds_is_upgraded_in_place(tmp_path, monkeypatch):
+    import pipeline.store as store_module
+
+    db = tmp_path / "old.db"
+    layer = {"layer": 0, "layer_budget": 8, "tokens_seen": 20, "tokens_kept": 8, "kept_bytes": 64,
+             "full_seq_bytes": 160, "compression_ratio": 2.5, "concentration": 0.0}
+
+    def document(key):
+        return {"doc_key": key, "run_id": None, "document_id": key, "variant": "v", "method": "h2o", "status": "done"}
+
+    monkeypatch.setattr(store_module, "MIGRATIONS", MIGRATIONS[:5])  # main's store before m006
+    with Store(db).locked() as store:
+        store.save_document(document("old"), [layer])
+    monkeypatch.setattr(store_module, "MIGRATIONS", MIGRATIONS)
+    with Store(db).locked() as store:
+        store.save_document(document("new"), [{**layer, "cache_kind": "H2OCache", "scoring": "observed"}])
+    assert rows(db, "select name from _velox_migrations order by id")[-1] == ("m006_layer_cache_kind",)
+    assert rows(db, "select document_id, cache_kind, scoring from layer_stats order by id") == [
+        ("old", None, None), ("new", "H2OCache", "observed")]
+    assert rows(db, "select method, layer, documents from layer_summary") == [("h2o", 0, 2)]
 
 
 def test_a_second_run_on_the_same_store_is_refused(job, tmp_path):

@@ -3,15 +3,28 @@
 Install on a model for ``mlx_lm.generate`` in one line::
 
     prompt_cache = KVCacheBuilder.for_model(model, KVCacheConfig(method="pyramidkv", budget=256))
+
+Long documents in bounded memory (streaming prefill, phases told)::
+
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="pyramidkv", budget=512, eviction="streaming"))
+    logits = prefill_phases(model, caches, prefix=p, document=d, instruction=q)
+
+Faster attention on MLX's CPU backend, with any caches::
+
+    with velox_cache.fast_attention(model):
+        mlx_lm.generate(model, tokenizer, prompt)
 """
 
+from .attend import AttentionResult, attend, attend_and_score
 from .budgets import pyramid_budgets, squeeze_budgets
 from .builder import KVCacheBuilder, KVCacheFactory
 from .config import ConfigError, KVCacheConfig
 from .coordinator import SqueezeCoordinator
+from . import phases
 from .masks import MaskMismatchError
 from .model_caches import UnsupportedModelError
-from .observe import ObservationError, observe
+from .observe import ObservationError, fast_attention, observe
+from .phases import Phase
 from .policies import (
     FullKVCache,
     H2OCache,
@@ -21,9 +34,14 @@ from .policies import (
     StreamingLLMCache,
     TOVACache,
 )
+from .prefill import ContextError, model_context, prefill_phases
+from .rope import RopeError, RotaryShift
+from .snapshot import snapshot
 
 __all__ = [
+    "AttentionResult",
     "ConfigError",
+    "ContextError",
     "FullKVCache",
     "H2OCache",
     "KVCacheBuilder",
@@ -31,14 +49,24 @@ __all__ = [
     "KVCacheFactory",
     "MaskMismatchError",
     "ObservationError",
+    "Phase",
     "PyramidKVCache",
+    "RopeError",
+    "RotaryShift",
     "SnapKVCache",
     "SqueezeAttentionCache",
     "SqueezeCoordinator",
     "StreamingLLMCache",
     "TOVACache",
     "UnsupportedModelError",
+    "attend",
+    "attend_and_score",
+    "fast_attention",
+    "model_context",
     "observe",
+    "phases",
+    "prefill_phases",
     "pyramid_budgets",
+    "snapshot",
     "squeeze_budgets",
 ]

@@ -7,8 +7,14 @@ class CacheAccounting:
     """Mixin: accounting properties and ``stats()`` for a cache that holds ``keys``/``values``.
 
     Subclasses provide ``method``, ``offset``, ``tokens_kept``, ``layer_budget``,
-    ``concentration`` and ``layer_id``.
+    ``concentration`` and ``layer_id``; ``seen_per_head`` defaults to ``offset``
+    (a cache that re-rotates positions counts what it saw separately).
     """
+
+    @property
+    def seen_per_head(self) -> int:
+        """Tokens seen per head (every position passed to ``update_and_fetch``)."""
+        return self.offset
 
     @property
     def kept_bytes(self) -> int:
@@ -25,7 +31,7 @@ class CacheAccounting:
         batch, heads, _, key_dim = self.keys.shape
         value_dim = self.values.shape[-1]
         per_token = key_dim * self.keys.itemsize + value_dim * self.values.itemsize
-        return self.offset * batch * heads * per_token
+        return self.seen_per_head * batch * heads * per_token
 
     @property
     def compression_ratio(self) -> float:
@@ -38,7 +44,7 @@ class CacheAccounting:
         """Token positions ever passed to ``update_and_fetch``, summed over batch and heads."""
         if self.keys is None:
             return 0
-        return self.offset * self.keys.shape[0] * self.keys.shape[1]
+        return self.seen_per_head * self.keys.shape[0] * self.keys.shape[1]
 
     @property
     def nbytes(self) -> int:

@@ -1,4 +1,4 @@
-"""Attention arithmetic shared by the caches: probabilities, mass, pooling, concentration.
+"""Exact attention arithmetic for scoring: probabilities, mass, pooling, concentration.
 
 Shapes: ``B`` batch, ``H`` KV heads, ``R`` query heads per KV head (GQA group),
 ``S`` queries, ``N`` keys, ``D`` head dim.
@@ -40,7 +40,8 @@ def attention_probs(
     if isinstance(mask, str):
         logits = mx.where(causal_mask(n_queries, n_keys), logits, -mx.inf)
     elif mask is not None:
-        if mask.ndim == 4:  # [B or 1, H*R or 1, S, N] -> [B or 1, H or 1, R or 1, S, N]
+        if mask.ndim in (3, 4):  # [B or 1, H*R or 1, S, N] -> [B or 1, H or 1, R or 1, S, N]
+            mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
             heads = mask.shape[1]
             mask = mask.reshape(mask.shape[0], max(1, heads // group), min(group, heads), *mask.shape[2:])
         if mask.dtype == mx.bool_:
@@ -51,13 +52,6 @@ def attention_probs(
         sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, n_kv_heads, group, 1, 1), (*logits.shape[:-1], 1))
         return mx.softmax(mx.concatenate([logits, sink], axis=-1), axis=-1, precise=True)[..., :-1]
     return mx.softmax(logits, axis=-1, precise=True)
-
-
-def attend(probs: mx.array, values: mx.array, out_dtype) -> mx.array:
-    """Attention output ``[B, H*R, S, D]`` from probabilities ``[B, H, R, S, N]``."""
-    batch, n_kv_heads, group, n_queries, _ = probs.shape
-    out = probs.astype(values.dtype) @ mx.expand_dims(values, 2)  # [B, H, R, S, D]
-    return out.reshape(batch, n_kv_heads * group, n_queries, -1).astype(out_dtype)
 
 
 def key_mass(probs: mx.array) -> mx.array:
@@ -86,18 +80,3 @@ def normalized_entropy(probs: mx.array) -> mx.array:
         return mx.array(0.0)
     entropy = -(probs * mx.log(mx.maximum(probs, 1e-30))).sum(axis=-1)
     return entropy.sum() / math.log(n_keys)
-
-
-def key_proxy_probs(
-    new_keys: mx.array, all_keys: mx.array, rows: Optional[int] = None, scale: Optional[float] = None
-) -> mx.array:
-    """Attention of each new key (standing in for its query) over all keys, ``[B, H, 1, S', N]``.
-
-    ``rows`` keeps only the last ``rows`` new keys as queries; ``scale`` is the
-    model's softmax scale (default ``D ** -0.5``).
-    """
-    if rows is not None:
-        new_keys = new_keys[:, :, -rows:]
-    if scale is None:
-        scale = new_keys.shape[-1] ** -0.5
-    return attention_probs(new_keys, all_keys, scale, "causal" if new_keys.shape[2] > 1 else None)

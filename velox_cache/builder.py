@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from .budgets import pyramid_budgets
-from .config import KVCacheConfig
+from .config import ConfigError, KVCacheConfig
 from .coordinator import SqueezeCoordinator
 from .masks import SharedMaskRecord
 from .model_caches import (
@@ -23,18 +23,21 @@ class KVCacheFactory:
     """Single caches with no layer context."""
 
     @staticmethod
-    def create(config: KVCacheConfig):
-        """One cache for ``config.method`` at the average budget (no pyramid, no coordinator)."""
+    def create(config: KVCacheConfig, *, prompt_tokens: int | None = None):
+        """One cache for ``config.method`` at the average budget (no pyramid, no coordinator).
+
+        ``prompt_tokens`` resolves a percentage budget (``"25%"``).
+        """
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config: expected a KVCacheConfig, got {type(config).__name__}")
-        return POLICIES[config.method](config)
+        return POLICIES[config.method](_resolved(config, prompt_tokens))
 
 
 class KVCacheBuilder:
     """Per-layer cache stacks for mlx-lm models."""
 
     @staticmethod
-    def for_model(model, config: KVCacheConfig) -> list:
+    def for_model(model, config: KVCacheConfig, *, prompt_tokens: int | None = None) -> list:
         """A fresh cache list for ``model`` (pass it as ``prompt_cache=``).
 
         Asks the model what each layer needs (``model.make_cache()`` where
@@ -46,6 +49,8 @@ class KVCacheBuilder:
         in order, squeeze layers share one fresh ``SqueezeCoordinator``.
         Each Velox cache's ``layer_id`` is its index in the returned list.
         Build a new stack per document: caches hold one sequence's state.
+        ``prompt_tokens`` (the prompt's length) resolves a percentage budget
+        such as ``"25%"``.
 
         Raises ``UnsupportedModelError`` naming the architecture when it has
         no layer to compress (``method='full'`` then returns the model's own
@@ -53,6 +58,7 @@ class KVCacheBuilder:
         """
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config: expected a KVCacheConfig, got {type(config).__name__}")
+        config = _resolved(config, prompt_tokens)
         caches = model_caches(model)
         slots = compressible_slots(caches)
         if not slots and config.method != "full":
@@ -91,3 +97,13 @@ def _put(caches: list, slot, cache) -> None:
         members = list(caches[slot.index].caches)
         members[slot.member] = cache
         caches[slot.index].caches = tuple(members)
+
+
+def _resolved(config: KVCacheConfig, prompt_tokens) -> KVCacheConfig:
+    if config.budget_fraction is None or config.method == "full":
+        return config
+    if prompt_tokens is None:
+        raise ConfigError(
+            f"budget: {config.budget!r} is a share of the prompt; pass prompt_tokens= (the prompt's length)"
+        )
+    return config.resolved_for(prompt_tokens)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import re
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 METHODS = ("full", "h2o", "tova", "snapkv", "streaming", "pyramidkv", "squeeze")
 SCORINGS = ("observed", "key_proxy")
-EVICTIONS = ("continuous", "prefill_end")
+EVICTIONS = ("continuous", "prefill_end", "streaming")
 SELECTIONS = ("cumulative", "window")
 KV_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -35,6 +37,22 @@ ALIASES = {
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
+
+
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
+
+
+def parse_budget_fraction(value: Any) -> Optional[float]:
+    """``"25%"`` -> 0.25; None for an absolute budget (an int). Raises ``ConfigError`` otherwise."""
+    if isinstance(value, str):
+        match = _PERCENT.match(value)
+        if not match:
+            raise ConfigError(f"budget: expected a number of tokens or a percentage like '25%', got {value!r}")
+        fraction = float(match.group(1)) / 100
+        if not 0 < fraction <= 1:
+            raise ConfigError(f"budget: a percentage must be above 0% and at most 100%, got {value!r}")
+        return fraction
+    return None
 
 
 def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
@@ -68,7 +86,9 @@ class KVCacheConfig:
     Attributes:
         method: ``full``, ``h2o``, ``tova``, ``snapkv``, ``streaming``, ``pyramidkv``
             or ``squeeze``.
-        budget: average number of tokens each layer keeps (per head).
+        budget: average number of tokens each layer keeps (per head), or a
+            percentage of the prompt such as ``"25%"`` (resolved per prompt by
+            ``KVCacheBuilder.for_model(..., prompt_tokens=N)``; at least ``n_sink + 1``).
         n_sink: leading positions that are never evicted.
         beta: pyramid steepness, first-layer budget / last-layer budget (1 = flat).
         strength: squeeze reallocation strength in [0, 1] (0 = uniform budgets).
@@ -78,8 +98,10 @@ class KVCacheConfig:
         scoring: ``observed`` (real attention, needs ``velox_cache.observe``) or
             ``key_proxy`` (each key stands in for its query). ``None`` picks
             observed while the model is observed, key proxy otherwise.
-        eviction: ``continuous`` (after every chunk and step) or ``prefill_end``
-            (once, when decoding starts). ``None`` takes the policy's default.
+        eviction: ``continuous`` (after every chunk and step), ``prefill_end``
+            (once, when decoding starts) or ``streaming`` (after every document
+            chunk, ranked by a probe or by the chunk's last queries; see
+            ``velox_cache.stream_prefill``). ``None`` takes the policy's default.
         selection: what ranks tokens when prefill ends under ``prefill_end``:
             ``cumulative`` attention mass (H2O) or ``window``: the attention of
             the prompt's last ``window`` queries, max-pooled over ``kernel``
@@ -90,7 +112,7 @@ class KVCacheConfig:
     """
 
     method: str = "pyramidkv"
-    budget: int = 512
+    budget: Union[int, str] = 512
     n_sink: int = 4
     beta: float = 3.0
     strength: float = 0.5
@@ -106,7 +128,8 @@ class KVCacheConfig:
     def __post_init__(self):
         _check_choice("method", self.method, METHODS)
         _check_int("n_sink", self.n_sink, 0)
-        _check_int("budget", self.budget, self.n_sink + 1)
+        if parse_budget_fraction(self.budget) is None:
+            _check_int("budget", self.budget, self.n_sink + 1)
         _check_int("resolved_budget", self.resolved_budget, self.n_sink + 1, optional=True)
         _check_number("beta", self.beta, 1.0)
         _check_number("strength", self.strength, 0.0, 1.0)
@@ -119,11 +142,41 @@ class KVCacheConfig:
         _check_int("kernel", self.kernel, 1)
         if self.kernel % 2 == 0:
             raise ConfigError(f"kernel: must be odd, got {self.kernel}")
+        if self.eviction == "streaming":
+            if self.method == "streaming":
+                raise ConfigError(
+                    "eviction: 'streaming' ranks tokens by attention; method 'streaming' (StreamingLLM) "
+                    "keeps the most recent ones and has no use for it"
+                )
+            if self.selection == "cumulative":
+                raise ConfigError("selection: 'streaming' eviction ranks by a probe or a window, not 'cumulative'")
+
+    @property
+    def budget_fraction(self) -> Optional[float]:
+        """The budget as a fraction of the prompt (``"25%"`` -> 0.25); None for an absolute budget."""
+        return parse_budget_fraction(self.budget)
+
+    def resolved_for(self, prompt_tokens: int) -> "KVCacheConfig":
+        """This config with a percentage budget turned into tokens for a prompt of ``prompt_tokens``.
+
+        The result is at least ``n_sink + 1``; an absolute budget is returned unchanged.
+        """
+        fraction = self.budget_fraction
+        if fraction is None:
+            return self
+        if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 0:
+            raise ConfigError(f"prompt_tokens: expected a non-negative integer, got {prompt_tokens!r}")
+        budget = max(self.n_sink + 1, round(fraction * prompt_tokens))
+        return dataclasses.replace(self, budget=budget)
 
     @property
     def recent_window(self) -> int:
-        """Most recent tokens protected from eviction."""
-        return self.budget // 8 if self.recent is None else self.recent
+        """Most recent tokens protected from eviction (the budget must be resolved to tokens)."""
+        if self.recent is not None:
+            return self.recent
+        if self.budget_fraction is not None:
+            raise ConfigError(f"budget: {self.budget!r} must be resolved to tokens first (resolved_for)")
+        return self.budget // 8
 
     @classmethod
     def from_dict(cls, values: dict, *, where: str = "cache") -> "KVCacheConfig":

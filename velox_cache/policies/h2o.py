@@ -1,10 +1,11 @@
 """H2O: cumulative attention mass (heavy hitters) plus a protected recent window."""
 
 from ..base import EvictingKVCache
+from ..signals import CumulativeMass
 
 
 class H2OCache(EvictingKVCache):
     """Evicts the tokens with the least cumulative attention mass, continuously, at a uniform budget."""
 
     method = "h2o"
-    score_signal = "cumulative"
+    signal = CumulativeMass

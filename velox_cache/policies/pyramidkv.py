@@ -1,6 +1,7 @@
 """PyramidKV: per-layer budgets that taper with depth, fixed at build time."""
 
 from ..base import EvictingKVCache
+from ..signals import CumulativeMass
 
 
 class PyramidKVCache(EvictingKVCache):
@@ -21,7 +22,7 @@ class PyramidKVCache(EvictingKVCache):
     method = "pyramidkv"
     default_eviction = "prefill_end"
     default_selection = "window"
-    score_signal = "cumulative"
+    signal = CumulativeMass
 
     @property
     def pyramid_kept_bytes(self) -> int:

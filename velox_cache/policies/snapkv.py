@@ -1,6 +1,7 @@
 """SnapKV: one-shot compression at the end of prefill from the prompt's last queries."""
 
 from ..base import EvictingKVCache
+from ..signals import CumulativeMass
 
 
 class SnapKVCache(EvictingKVCache):
@@ -14,5 +15,5 @@ class SnapKVCache(EvictingKVCache):
 
     method = "snapkv"
     default_eviction = "prefill_end"
-    score_signal = "cumulative"
+    signal = CumulativeMass
     default_selection = "window"

@@ -1,37 +1,50 @@
-"""SqueezeAttention: H2O scoring with per-layer budgets measured from the prompt."""
+"""SqueezeAttention: per-layer budgets measured from the prompt, re-allocated once by a coordinator."""
 
 from __future__ import annotations
 
 from typing import Optional
 
+import mlx.core as mx
+
+from ..attend import AttentionResult
 from ..base import EvictingKVCache
 from ..config import KVCacheConfig
 from ..coordinator import SqueezeCoordinator
+from ..signals import CumulativeMass
+
+CONCENTRATION_ROWS = 8  # query rows per prefill call sampled for the concentration measure
 
 
 class SqueezeAttentionCache(EvictingKVCache):
     """One layer of SqueezeAttention.
 
-    Over the whole prompt (every prefill chunk) the layer measures how
-    concentrated its attention is. When decoding starts the shared
-    ``SqueezeCoordinator`` turns all layers' concentrations into budgets once
-    (``squeeze_budgets``) and freezes them. By default nothing is evicted
-    before that (``eviction='prefill_end'``), so no layer can lose a token its
-    final budget would keep; each layer then keeps what the prompt's last
-    ``window`` queries attend to (max-pooled over ``kernel``) and holds its
-    budget during decoding by cumulative attention mass (H2O). With
-    ``eviction='continuous'`` a layer evicts by H2O mass after every chunk,
-    keeping until the schedule exists the largest budget it could give.
+    While prefilling, the layer measures how concentrated its attention is:
+    the normalised entropy of ``CONCENTRATION_ROWS`` sampled query rows of
+    every prefill call (probes excepted). The shared ``SqueezeCoordinator``
+    turns all layers' concentrations into budgets once (``squeeze_budgets``)
+    and freezes them:
 
+    * ``prefill_end`` (default): when decoding starts, from the whole prompt.
+      Nothing is evicted before that, so no layer can have lost a token its
+      final budget would keep; each layer then keeps what the prompt's last
+      ``window`` queries attend to (max-pooled over ``kernel``).
+    * ``streaming``: at the first selection after a document chunk (the end
+      of the first probe), from the first chunk. Memory must stay bounded
+      from there on, so the schedule cannot wait for the whole document; a
+      document that fits in one chunk is measured whole, as under
+      ``prefill_end``.
+    * ``continuous``: when decoding starts; until then each layer evicts by
+      H2O mass to the largest budget the schedule could give it.
+
+    During decoding the budget holds by cumulative attention mass (H2O).
     Without a coordinator (``KVCacheFactory.create``) the layer keeps the
-    average ``budget``, like a uniform H2O layer; ``resolved_budget`` overrides.
+    average ``budget``; ``resolved_budget`` overrides.
     """
 
     method = "squeeze"
     default_eviction = "prefill_end"
     default_selection = "window"
-    score_signal = "cumulative"
-    measures_concentration = True
+    signal = CumulativeMass
 
     def __init__(
         self,
@@ -47,6 +60,8 @@ class SqueezeAttentionCache(EvictingKVCache):
                 raise ValueError("layer_id: required when a coordinator is given")
             coordinator.register(layer_id, self)
         self.coordinator = coordinator
+        self._entropy_sum: Optional[mx.array] = None
+        self._entropy_rows = 0
 
     def _budget_in_force(self) -> int:
         if self.config.resolved_budget:
@@ -57,9 +72,40 @@ class SqueezeAttentionCache(EvictingKVCache):
             return self.coordinator.budget(self.layer_id)
         return self.coordinator.cap
 
-    def _on_prefill_end(self) -> None:
+    def _publish(self) -> None:
         if self.coordinator is not None and not self.coordinator.published:
             self.coordinator.publish()
+
+    def _on_prefill_end(self) -> None:
+        self._publish()
+
+    def _before_selection(self) -> None:
+        self._publish()
+
+    # ----- the concentration measure ------------------------------------------------------
+
+    def _measuring(self) -> bool:
+        published = self.coordinator is not None and self.coordinator.published
+        return self._prefilling and self._probe is None and not published
+
+    def _rows_for_concentration(self, n_queries: int) -> int:
+        return min(n_queries, CONCENTRATION_ROWS) if self._measuring() else 0
+
+    def _observe_entropy(self, result: AttentionResult) -> None:
+        if result.entropy is None or not self._measuring():
+            return
+        self._entropy_sum = result.entropy if self._entropy_sum is None else self._entropy_sum + result.entropy
+        self._entropy_rows += result.entropy_rows
+
+    def _extra_state(self) -> list:
+        return [] if self._entropy_sum is None else [self._entropy_sum]
+
+    @property
+    def concentration(self) -> float:
+        """Measured attention concentration over the prompt, 0 (broad) to 1 (one token)."""
+        if not self._entropy_rows:
+            return 0.0
+        return 1.0 - self._entropy_sum.item() / self._entropy_rows
 
     @property
     def squeeze_kept_bytes(self) -> int:

@@ -1,10 +1,11 @@
 """TOVA: rank tokens by the current step's attention only (memoryless)."""
 
 from ..base import EvictingKVCache
+from ..signals import CurrentAttention
 
 
 class TOVACache(EvictingKVCache):
     """Evicts the token the latest query attends to least, continuously."""
 
     method = "tova"
-    score_signal = "current"
+    signal = CurrentAttention

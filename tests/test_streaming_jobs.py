@@ -1,0 +1,134 @@
+"""velox-batch with streaming variants: prompts split into prefix/document/instruction, no topic too long."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.prompting import _encode, build_prompt
+from pipeline.source import Document
+from pipeline.spec import parse_spec
+from tests.test_pipeline import invoke, job, rows  # noqa: F401  (job is a fixture)
+from tests.tiny_model import build_tiny_model_dir
+
+
+def _spec(chat_template=True, system="Be brief.", template="About {topic}: {text}\nSummarize.", **input_changes):
+    return parse_spec({
+        "name": "split",
+        "model": "unused",
+        "input": {"path": "unused.parquet", "id_column": "id", "text_column": "text", "prompt_template": template,
+                  "system": system, "chat_template": chat_template, **input_changes},
+    })
+
+
+@pytest.mark.parametrize("chat_template", [True, False])
+@pytest.mark.parametrize("system", ["Be brief.", None])
+def test_the_prompt_splits_into_prefix_document_and_instruction(tiny_model, chat_template, system):
+    _, tokenizer = tiny_model
+    spec = _spec(chat_template=chat_template, system=system)
+    text = "Caches keep a budget of tokens. They evict the rest."
+    document = Document("d", {"text": text, "topic": "caches"}, "hash")
+    prompt = build_prompt(spec, tokenizer, document)
+    assert prompt.tokens == _encode(spec, tokenizer, f"About caches: {text}\nSummarize."), "tokens unchanged"
+    assert prompt.prefix + prompt.document + prompt.instruction == prompt.tokens
+    assert text in tokenizer.decode(prompt.document)
+    assert tokenizer.decode(prompt.prefix).endswith("About caches: ")
+    assert tokenizer.decode(prompt.instruction).startswith("\nSummarize.")
+    if chat_template:
+        assert tokenizer.decode(prompt.instruction).endswith("assistant\n")
+
+
+def test_smollm2_tokens_are_split_on_token_boundaries(smollm2):
+    _, tokenizer = smollm2
+    spec = _spec(template="{text}\n\nSummarize the documentation above in two sentences.", system="Be concise.")
+    text = "Lists are mutable sequences, typically used to store collections of homogeneous items."
+    prompt = build_prompt(spec, tokenizer, Document("d", {"text": text}, "hash"))
+    assert prompt.prefix + prompt.document + prompt.instruction == prompt.tokens
+    assert tokenizer.decode(prompt.document).strip() == text
+    assert "Summarize the documentation above" in tokenizer.decode(prompt.instruction)
+    assert len(prompt.instruction) < 30
+
+
+def test_a_ready_prompt_has_no_split(tiny_model):
+    _, tokenizer = tiny_model
+    spec = parse_spec({"name": "x", "model": "m", "input": {"path": "p", "id_column": "id", "prompt_column": "prompt"}})
+    prompt = build_prompt(spec, tokenizer, Document("d", {"prompt": "Everything at once."}, "hash"))
+    assert not prompt.has_split and prompt.document == prompt.tokens and prompt.instruction == []
+
+
+@pytest.fixture(scope="module")
+def short_context_model(tmp_path_factory):
+    directory = build_tiny_model_dir(tmp_path_factory.mktemp("short") / "llama")
+    config = json.loads((directory / "config.json").read_text())
+    config["max_position_embeddings"] = 160
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize("on_too_long", ["skip", "truncate"])
+def test_streaming_variants_read_documents_past_the_context_and_full_skips_them(
+    job, tmp_path, short_context_model, on_too_long
+):
+    table = pa.table({
+        "id": ["short", "long"],
+        "text": ["A short note on caches.", "Long documents are read chunk by chunk in bounded memory. " * 8],
+        "topic": ["caches", "caches"],
+    })
+    pq.write_table(table, tmp_path / "corpus.parquet")
+    path = job(
+        {
+            "generation": {"max_tokens": 6, "prefill_step_size": 16},
+            "limits": {"on_too_long": on_too_long},
+            "variants": [
+                {"name": "full", "method": "full"},
+                {"name": "pyramid", "method": "pyramidkv", "budget": 12, "eviction": "streaming"},
+                {"name": "squeeze", "method": "squeeze", "budget": "10%", "eviction": "streaming"},
+                {"name": "snap", "method": "snapkv", "budget": 12},
+            ],
+        },
+        model=str(short_context_model),
+    )
+    result = invoke("run", path, "-q")
+    assert result.exit_code == 0, result.output
+    db = tmp_path / "store.db"
+    statuses = dict(((d, v), s) for d, v, s in rows(db, "select document_id, variant, status from documents"))
+    bounded = "skipped" if on_too_long == "skip" else "done"
+    assert statuses == {
+        ("short", "full"): "done", ("short", "pyramid"): "done",
+        ("short", "squeeze"): "done", ("short", "snap"): "done",
+        ("long", "full"): bounded, ("long", "pyramid"): "done",
+        ("long", "squeeze"): "done", ("long", "snap"): bounded,
+    }
+    if on_too_long == "skip":
+        reason = rows(db, "select error from documents where document_id = 'long' and variant = 'full'")[0][0]
+        assert "context of 160" in reason and "streaming" in reason
+    else:
+        cut = rows(db, "select prompt_tokens, truncated from documents where document_id = 'long' and variant = 'full'")
+        assert cut[0][0] + 6 <= 160 and cut[0][1] == 1
+    hashes = rows(db, "select count(distinct prompt_hash) from documents where document_id = 'long' "
+                      "and status = 'done'")
+    assert hashes == [(1 if on_too_long == "skip" else 2,)], "each kind stored with the prompt it read"
+    squeeze = "select prompt_tokens, budget from documents where document_id = 'long' and variant = 'squeeze'"
+    prompt_tokens, budget = rows(db, squeeze)[0]
+    assert prompt_tokens > 160 and budget == round(prompt_tokens * 0.10)
+    over = "select count(*) from layer_stats where method != 'full' and tokens_kept > layer_budget"
+    assert rows(db, over) == [(0,)]
+    streamed = "document_id = 'long' and variant in ('pyramid', 'squeeze')"
+    seen = rows(db, f"select min(tokens_seen / 2) from layer_stats where {streamed}")[0][0]
+    assert seen > 160, "every token of the long document was read"
+
+
+def test_a_ready_prompt_with_a_streaming_variant_says_how_it_ranks(job, tmp_path):
+    table = pa.table({"id": ["a"], "prompt": ["Summarize: caches keep budgets."]})
+    pq.write_table(table, tmp_path / "prompts.parquet")
+    path = job(
+        {
+            "input": {"path": str(tmp_path / "prompts.parquet"), "id_column": "id", "prompt_column": "prompt",
+                      "text_column": None, "prompt_template": "{text}"},
+            "variants": [{"name": "pyramid", "method": "pyramidkv", "budget": 12, "eviction": "streaming"}],
+        }
+    )
+    result = invoke("run", path)
+    assert result.exit_code == 0, result.output
+    assert "SnapKV per chunk" in result.output

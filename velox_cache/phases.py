@@ -1,0 +1,115 @@
+"""Prefill phases, told to the caches instead of guessed.
+
+A prompt for a long-document job has parts that a cache should treat
+differently: the document (read in chunks), the *probe* (the instruction that
+follows the document, run on top of a chunk to rank tokens and then dropped,
+in streaming prefill), the instruction itself, and decoding. Tell a cache
+stack which one the next model calls belong to::
+
+    from velox_cache import phases
+
+    phases.tell(caches, "document")
+    model(chunk, cache=caches)
+    with phases.probe(caches):       # appended, scored, then dropped without a trace
+        model(instruction, cache=caches)
+    phases.tell(caches, "instruction")
+    logits = model(instruction, cache=caches)
+    phases.tell(caches, "decode")    # prefill ends here: prefill-end policies compress now
+
+``velox_cache.stream_prefill`` does all of this for one prompt. A stack that is
+never told a phase falls back to inferring the end of prefill from the first
+single-token call (what ``mlx_lm.generate`` does with the prompt's last token);
+once told, a single-token call is just a one-token chunk.
+
+Caches that know nothing of phases (mlx-lm's own, for layers Velox does not
+replace) are left alone, except that a probe must not stay in them: it is
+trimmed off where the cache is trimmable, and refused where it is not. The
+members of a hybrid layer's ``CacheList`` count as caches of their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from typing import Iterable
+
+
+class Phase(str, enum.Enum):
+    """What the next model calls on a cache stack are."""
+
+    DOCUMENT = "document"
+    PROBE = "probe"
+    INSTRUCTION = "instruction"
+    DECODE = "decode"
+
+    @classmethod
+    def parse(cls, value) -> "Phase":
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(p.value for p in cls)
+            raise ValueError(f"phase: {value!r} is not one of {names}") from None
+
+
+def leaves(caches: Iterable) -> list:
+    """Every cache of a stack, with the members of a ``CacheList`` (a hybrid layer) in its place."""
+    found = []
+    for cache in caches:
+        members = getattr(cache, "caches", None)
+        found.extend(members if isinstance(members, (list, tuple)) else [cache])
+    return found
+
+
+def knows_phases(cache) -> bool:
+    """True for caches that take phases (every Velox eviction cache)."""
+    return callable(getattr(cache, "begin_phase", None))
+
+
+def tell(caches: Iterable, phase) -> None:
+    """Tell every phase-aware cache in ``caches`` that the next calls belong to ``phase``."""
+    phase = Phase.parse(phase)
+    if phase is Phase.PROBE:
+        raise ValueError("phase: use `with phases.probe(caches):` for a probe (it must be dropped afterwards)")
+    for cache in leaves(caches):
+        if knows_phases(cache):
+            cache.begin_phase(phase)
+
+
+def wants_probe(caches: Iterable) -> bool:
+    """True when some cache in the stack ranks tokens by a probe (streaming timing)."""
+    return any(getattr(cache, "uses_probes", False) for cache in leaves(caches))
+
+
+@contextlib.contextmanager
+def probe(caches: list):
+    """Run the block's model calls as a probe: scored, then dropped from every cache on exit.
+
+    Velox caches rank their held tokens by the probe's attention (under the
+    streaming timing), evict to budget and drop the probe's keys and values,
+    restoring ``offset`` and the accounting. Other trimmable caches are
+    trimmed back; a stack with a cache that can drop nothing is refused
+    before anything runs.
+    """
+    stack = list(caches)
+    for index, layer in enumerate(stack):
+        for cache in leaves([layer]):
+            if not knows_phases(cache) and not _trimmable(cache):
+                raise TypeError(f"caches[{index}]: {type(cache).__name__} cannot drop a probe's tokens")
+    members = leaves(stack)
+    offsets = [None if knows_phases(c) else c.offset for c in members]
+    for cache in members:
+        if knows_phases(cache):
+            cache.begin_phase(Phase.PROBE)
+    try:
+        yield stack
+    finally:
+        for cache, offset in zip(members, offsets):
+            if knows_phases(cache):
+                cache.end_probe()
+            elif cache.offset > offset:
+                cache.trim(cache.offset - offset)
+
+
+def _trimmable(cache) -> bool:
+    check = getattr(cache, "is_trimmable", None)
+    return bool(check and check()) and hasattr(cache, "trim")

@@ -1,0 +1,153 @@
+"""``TokenSlots``: the arrays one layer holds, and the few ways they change.
+
+Buffers: ``keys``/``values`` ``[B, H, T, D]``, ``scores`` ``[B, H, T]`` (float32,
+higher = keep) and ``positions`` ``[B, H, T]``: the position each key's RoPE
+rotation encodes. Only the first ``stored`` slots are valid; the rest is spare
+room that appends write into in place.
+
+Every change is vectorised over batch and heads: ``append`` (new tokens after
+the held ones), ``keep`` (one gather of the chosen slots), ``replace`` (one
+scatter into one slot per head), ``truncate`` (drop the newest slots) and
+``rerotate`` (move keys to new positions; RoPE rotations compose).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+
+class TokenSlots:
+    """Keys, values, scores and positions of the tokens one cache layer holds."""
+
+    def __init__(self):
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+        self.scores: Optional[mx.array] = None
+        self.positions: Optional[mx.array] = None
+        self.stored = 0
+
+    @property
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def arrays(self) -> list:
+        """Every array held (for ``state``)."""
+        return [a for a in (self.keys, self.values, self.scores, self.positions) if a is not None]
+
+    def start(self, keys: mx.array, values: mx.array, key_dtype, value_dtype) -> None:
+        """Empty buffers shaped like the first call's ``keys``/``values``."""
+        batch, heads, _, _ = keys.shape
+        self.keys = mx.zeros((batch, heads, 0, keys.shape[-1]), key_dtype)
+        self.values = mx.zeros((batch, heads, 0, values.shape[-1]), value_dtype)
+        self.scores = mx.zeros((batch, heads, 0), mx.float32)
+        self.positions = mx.zeros((batch, heads, 0), mx.int32)
+        self.stored = 0
+
+    def held(self):
+        """``(keys, values)`` of the valid slots, in slot order."""
+        if self.keys.shape[2] == self.stored:
+            return self.keys, self.values
+        return self.keys[:, :, : self.stored], self.values[:, :, : self.stored]
+
+    def held_scores(self) -> mx.array:
+        return self.scores[..., : self.stored]
+
+    def held_positions(self) -> mx.array:
+        return self.positions[..., : self.stored]
+
+    def set_scores(self, scores: mx.array) -> None:
+        """Replace the scores of the held slots with ``scores`` ``[B, H, stored]``."""
+        pad = self.scores.shape[-1] - scores.shape[-1]
+        self.scores = mx.pad(scores, [(0, 0), (0, 0), (0, pad)]) if pad else scores
+
+    def add_scores(self, mass: mx.array, replace: bool = False) -> None:
+        """Add ``mass`` ``[B, H, N]`` (N <= buffer length) to the first N slots' scores, or replace them."""
+        pad = self.scores.shape[-1] - mass.shape[-1]
+        if pad:
+            mass = mx.pad(mass, [(0, 0), (0, 0), (0, pad)])
+        self.scores = mass if replace else self.scores + mass
+
+    def append(self, keys: mx.array, values: mx.array, first_position: int, spare: int) -> None:
+        """Write new tokens after the held ones: in place when the buffer has room, else grow it by ``spare``."""
+        batch, heads, n_new, _ = keys.shape
+        new_positions = mx.broadcast_to(
+            mx.arange(first_position, first_position + n_new, dtype=mx.int32), (batch, heads, n_new)
+        )
+        start, end = self.stored, self.stored + n_new
+        if end <= self.keys.shape[2]:
+            self.keys[:, :, start:end] = keys
+            self.values[:, :, start:end] = values
+            self.scores[:, :, start:end] = 0
+            self.positions[:, :, start:end] = new_positions
+        else:
+            kept_keys, kept_values = self.held()
+            self.keys = _concat(kept_keys, keys, spare)
+            self.values = _concat(kept_values, values, spare)
+            self.scores = _concat(self.held_scores(), mx.zeros((batch, heads, n_new)), spare)
+            self.positions = _concat(self.held_positions(), new_positions, spare)
+        self.stored = end
+
+    def keep(self, indices: mx.array) -> None:
+        """Keep only the slots ``indices`` ``[B, H, K]`` of every head, in that order (one gather)."""
+        keys, values = self.held()
+        self.keys = mx.take_along_axis(keys, indices[..., None], axis=2)
+        self.values = mx.take_along_axis(values, indices[..., None], axis=2)
+        self.scores = mx.take_along_axis(self.held_scores(), indices, axis=-1)
+        self.positions = mx.take_along_axis(self.held_positions(), indices, axis=-1)
+        self.stored = indices.shape[-1]
+
+    def replace(self, slot: mx.array, keys: mx.array, values: mx.array, position: int) -> None:
+        """Write one new token into slot ``slot`` ``[B, H, 1]`` of each head (buffer at its size)."""
+        if self.keys.shape[2] != self.stored:
+            self.keys, self.values = self.held()
+            self.scores = self.held_scores()
+            self.positions = self.held_positions()
+        index = slot[..., None]  # [B, H, 1, 1]
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(index, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(index, values.shape), values, axis=2)
+        self.scores = mx.put_along_axis(self.scores, slot, mx.array(0.0), axis=-1)
+        self.positions = mx.put_along_axis(self.positions, slot, mx.array(position, mx.int32), axis=-1)
+
+    def truncate(self, stored: int, capacity: int) -> None:
+        """Back to ``stored`` valid slots in a buffer of ``capacity``: later slots are dropped, spare ones zeroed.
+
+        Spare slots are always zeros otherwise, so this restores the buffers a
+        probe found, exactly.
+        """
+        self.keys = self.keys[:, :, :capacity]
+        self.values = self.values[:, :, :capacity]
+        self.scores = self.scores[..., :capacity]
+        self.positions = self.positions[..., :capacity]
+        if capacity > stored:
+            self.keys[:, :, stored:] = 0
+            self.values[:, :, stored:] = 0
+            self.scores[..., stored:] = 0
+            self.positions[..., stored:] = 0
+        self.stored = stored
+
+    def rerotate(self, shift, new_positions: mx.array) -> None:
+        """Rotate each held key from its position to ``new_positions`` ``[B, H, stored]``.
+
+        ``shift`` is a ``velox_cache.rope.RotaryShift``.
+        """
+        keys, values = self.held()
+        delta = new_positions - self.held_positions()
+        self.keys = shift.shift(keys, delta)
+        self.values = values
+        self.scores = self.held_scores()
+        self.positions = new_positions.astype(mx.int32)
+
+
+def _concat(kept: mx.array, new: mx.array, spare: int) -> mx.array:
+    """``kept`` then ``new`` then ``spare`` empty slots, along the token axis (2)."""
+    parts = [kept, new] if kept.shape[2] else [new]
+    if spare:
+        parts.append(mx.zeros((*new.shape[:2], spare, *new.shape[3:]), new.dtype))
+    return mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
