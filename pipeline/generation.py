@@ -8,6 +8,7 @@ as a probe after every document chunk but the last.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -17,6 +18,8 @@ from mlx_lm.sample_utils import make_sampler
 
 import velox_cache
 from velox_cache import KVCacheBuilder, KVCacheConfig, prefill_phases, snapshot
+from velox_cache.accounting import layer_stats
+from velox_cache.observe import can_route
 
 from .prompting import Prompt
 from .spec import GenerationSpec
@@ -74,9 +77,15 @@ class GenerationResult:
 
 
 def _observation(model, config: KVCacheConfig):
-    """Every variant runs on Velox attention; observed scoring also lets the caches see the queries."""
+    """Every variant runs on Velox attention; observed scoring also lets the caches see the queries.
+
+    A model that computes attention by hand (gemma2) cannot be routed: it runs
+    on its own attention, with the key proxy, unless observed scoring was asked for.
+    """
     if config.method != "full" and config.scoring == "observed":
         return velox_cache.observe(model)
+    if not can_route(model):
+        return contextlib.nullcontext()
     return velox_cache.fast_attention(model)
 
 
@@ -203,6 +212,9 @@ def _logprobs(logits: mx.array) -> mx.array:
 
 
 def _layer_row(layer: int, cache) -> dict:
-    row = cache.stats()
+    """One ``layer_stats`` row for any entry of the cache list (Velox or kept as the model made it)."""
+    row = layer_stats(layer, cache)
     row.pop("offset")
-    return {**row, "layer": layer}
+    if row["method"] is None:
+        row.pop("method")  # a layer Velox left alone: the store fills in the document's method
+    return row

@@ -287,7 +287,20 @@ def m005_run_engine(db: sqlite_utils.Database) -> None:
     db.execute("update runs set engine = 'in-process', workers = 1")
 
 
-MIGRATIONS = [m001_tables, m002_views, m003_latest_rows, m004_fidelity, m005_run_engine]  # append only: stores record what they applied
+def m006_layer_cache_kind(db: sqlite_utils.Database) -> None:
+    """Which cache each layer had (``PyramidKVCache``, ``RotatingKVCache``, ...) and how it scored tokens."""
+    db["layer_stats"].add_column("cache_kind", str)
+    db["layer_stats"].add_column("scoring", str)
+
+
+MIGRATIONS = [  # append only: stores record what they applied
+    m001_tables,
+    m002_views,
+    m003_latest_rows,
+    m004_fidelity,
+    m005_run_engine,
+    m006_layer_cache_kind,
+]
 
 
 def migrate(db: sqlite_utils.Database, *, transaction: Optional[Callable] = None) -> list[str]:
@@ -658,7 +671,7 @@ def document_layers(path, document_row: int):
     """``(columns, rows)``: the per-layer accounting of one stored document row."""
     return read_only_query(
         path,
-        "select layer, layer_budget, tokens_seen, tokens_kept, kept_bytes, full_seq_bytes, "
+        "select layer, cache_kind, layer_budget, tokens_seen, tokens_kept, kept_bytes, full_seq_bytes, "
         "round(compression_ratio, 2) as compression_ratio, round(concentration, 3) as concentration "
         "from layer_stats where document_row = ? order by layer",
         [document_row],

@@ -91,6 +91,9 @@ def test_run_fills_every_table_and_view(job, tmp_path):
     assert sum(b for _, b in budgets) == 24 * 4
     assert rows(db, "select count(*) from layer_stats where tokens_kept > layer_budget and method != 'full'") == [(0,)]
     assert rows(db, "select count(*) from _velox_migrations") == [(len(MIGRATIONS),)]
+    kinds = rows(db, "select distinct method, cache_kind, scoring from layer_stats order by method")
+    assert [k[:2] for k in kinds] == [("full", "FullKVCache"), ("pyramidkv", "PyramidKVCache"),
+                                      ("squeeze", "SqueezeAttentionCache")]
     assert "[4/4] doc-3" in result.output  # plain progress lines when not on a terminal
 
 
@@ -253,6 +256,28 @@ def test_overrides_select_variants_db_and_limit(job, tmp_path):
     result = invoke("run", job(), "--variant", "squeeze", "--db", other, "--limit", "2", "-q")
     assert result.exit_code == 0
     assert rows(other, "select variant, count(*) from documents group by variant") == [("squeeze", 2)]
+
+
+def test_a_store_from_before_cache_kinds_is_upgraded_in_place(tmp_path, monkeypatch):
+    import pipeline.store as store_module
+
+    db = tmp_path / "old.db"
+    layer = {"layer": 0, "layer_budget": 8, "tokens_seen": 20, "tokens_kept": 8, "kept_bytes": 64,
+             "full_seq_bytes": 160, "compression_ratio": 2.5, "concentration": 0.0}
+
+    def document(key):
+        return {"doc_key": key, "run_id": None, "document_id": key, "variant": "v", "method": "h2o", "status": "done"}
+
+    monkeypatch.setattr(store_module, "MIGRATIONS", MIGRATIONS[:5])  # main's store before m006
+    with Store(db).locked() as store:
+        store.save_document(document("old"), [layer])
+    monkeypatch.setattr(store_module, "MIGRATIONS", MIGRATIONS)
+    with Store(db).locked() as store:
+        store.save_document(document("new"), [{**layer, "cache_kind": "H2OCache", "scoring": "observed"}])
+    assert rows(db, "select name from _velox_migrations order by id")[-1] == ("m006_layer_cache_kind",)
+    assert rows(db, "select document_id, cache_kind, scoring from layer_stats order by id") == [
+        ("old", None, None), ("new", "H2OCache", "observed")]
+    assert rows(db, "select method, layer, documents from layer_summary") == [("h2o", 0, 2)]
 
 
 def test_a_second_run_on_the_same_store_is_refused(job, tmp_path):

@@ -21,6 +21,8 @@ from .builder import KVCacheBuilder, KVCacheFactory
 from .config import ConfigError, KVCacheConfig
 from .coordinator import SqueezeCoordinator
 from . import phases
+from .masks import MaskMismatchError
+from .model_caches import UnsupportedModelError
 from .observe import ObservationError, fast_attention, observe
 from .phases import Phase
 from .policies import (
@@ -45,6 +47,7 @@ __all__ = [
     "KVCacheBuilder",
     "KVCacheConfig",
     "KVCacheFactory",
+    "MaskMismatchError",
     "ObservationError",
     "Phase",
     "PyramidKVCache",
@@ -55,6 +58,7 @@ __all__ = [
     "SqueezeCoordinator",
     "StreamingLLMCache",
     "TOVACache",
+    "UnsupportedModelError",
     "attend",
     "attend_and_score",
     "fast_attention",

@@ -55,7 +55,9 @@ class CacheAccounting:
         """One row of per-layer accounting (what the job runner stores)."""
         return {
             "layer": self.layer_id,
+            "cache_kind": type(self).__name__,
             "method": self.method,
+            "scoring": getattr(self, "scoring", None),
             "layer_budget": self.layer_budget,
             "offset": self.offset,
             "tokens_seen": self.tokens_seen,
@@ -65,3 +67,42 @@ class CacheAccounting:
             "compression_ratio": self.compression_ratio,
             "concentration": self.concentration,
         }
+
+
+def layer_stats(index: int, cache) -> dict:
+    """One accounting row for entry ``index`` of a model's cache list, whatever its kind.
+
+    A Velox cache reports its own ``stats()``. A cache Velox left as the model
+    made it (``RotatingKVCache``, ``ArraysCache``, ...) reports its ``nbytes``
+    as both ``kept_bytes`` and ``full_seq_bytes`` (ratio 1: Velox saved nothing
+    there) and no budget. A ``CacheList`` holding a Velox cache reports that
+    cache's budget and tokens, and adds its other members' bytes to both sides.
+    ``cache_kind`` names the class (``CacheList(ArraysCache,PyramidKVCache)``).
+    """
+    from .model_caches import cache_kind
+
+    members = getattr(cache, "caches", None)
+    velox = [m for m in members if isinstance(m, CacheAccounting)] if members is not None else []
+    if isinstance(cache, CacheAccounting):
+        row = cache.stats()
+    elif velox:
+        row = velox[0].stats()
+        other = sum(m.nbytes for m in members if m is not velox[0])
+        row["kept_bytes"] += other
+        row["full_seq_bytes"] += other
+        row["compression_ratio"] = row["full_seq_bytes"] / row["kept_bytes"] if row["kept_bytes"] else 1.0
+    else:
+        held = cache.nbytes
+        row = {
+            "method": None,
+            "scoring": None,
+            "layer_budget": None,
+            "offset": getattr(cache, "offset", None),
+            "tokens_seen": None,
+            "tokens_kept": None,
+            "kept_bytes": held,
+            "full_seq_bytes": held,
+            "compression_ratio": 1.0,
+            "concentration": None,
+        }
+    return {**row, "layer": index, "cache_kind": cache_kind(cache)}

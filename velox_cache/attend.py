@@ -12,6 +12,9 @@ the entropy of the last ``entropy_rows`` queries, never the whole
   ``mx.fast.scaled_dot_product_attention`` itself (bit for bit what mlx-lm
   computes) and the scores come from a precise softmax over only the rows asked
   for, a block of rows at a time.
+- Calls the kernel cannot take (``kernel_supports``: attention sinks, values of
+  another head dim, ...) take that exact path on the CPU backend too, so they
+  are never computed or scored wrongly.
 """
 
 from __future__ import annotations
@@ -76,6 +79,34 @@ def uses_kernel() -> bool:
     return mx.default_device() == mx.cpu and attention_mode() == "fast"
 
 
+def kernel_supports(
+    queries: mx.array, keys: mx.array, values: Optional[mx.array], mask: Mask, sinks: Optional[mx.array] = None
+) -> bool:
+    """True when Velox's kernel can compute this call (it then matches the fused kernel).
+
+    It cannot take attention sinks, keys or values whose head dim differs
+    from the queries', query heads that are not a multiple of the key heads,
+    a causal mask over fewer keys than queries, or an array mask that does not
+    broadcast to ``[B, H*R, S, N]`` with one row per query or one for all.
+    """
+    batch, n_q_heads, n_queries, dim = queries.shape
+    n_kv_heads, n_keys = keys.shape[1], keys.shape[2]
+    if sinks is not None or keys.shape[-1] != dim or (values is not None and values.shape[-1] != dim):
+        return False
+    if n_kv_heads == 0 or n_q_heads % n_kv_heads:
+        return False
+    if isinstance(mask, str):
+        return mask == "causal" and n_keys >= n_queries
+    if isinstance(mask, mx.array):
+        if mask.ndim > 4 or mask.shape[-1] != n_keys or (mask.ndim >= 2 and mask.shape[-2] not in (1, n_queries)):
+            return False
+        if mask.ndim >= 3 and mask.shape[-3] not in (1, n_q_heads):
+            return False
+        if mask.ndim == 4 and mask.shape[0] not in (1, batch):
+            return False
+    return True
+
+
 def attend_and_score(
     queries: mx.array,
     keys: mx.array,
@@ -83,6 +114,7 @@ def attend_and_score(
     *,
     scale: float,
     mask: Mask = None,
+    sinks: Optional[mx.array] = None,
     score_rows: int = 0,
     entropy_rows: int = 0,
 ) -> AttentionResult:
@@ -90,11 +122,14 @@ def attend_and_score(
 
     ``mask`` is None, ``"causal"`` (lower-right aligned, as mlx-lm passes it) or
     an array broadcastable to ``[B, H*R, S, N]``, boolean or additive.
-    ``values=None`` computes only the scores. See ``AttentionResult``.
+    ``sinks`` ``[H*R]`` are per-head logits that take softmax mass but attend
+    to nothing (gpt-oss; as ``mx.fast.scaled_dot_product_attention``): they
+    count in the output and the scores. ``values=None`` computes only the
+    scores. See ``AttentionResult``.
     """
     batch, n_q_heads, n_queries, _ = queries.shape
     score_rows, entropy_rows = min(score_rows, n_queries), min(entropy_rows, n_queries)
-    if uses_kernel():
+    if uses_kernel() and kernel_supports(queries, keys, values, mask, sinks):
         output, key_mass, entropy = kernel.blocked_attention(
             queries,
             keys,
@@ -108,8 +143,8 @@ def attend_and_score(
     else:
         output = None
         if values is not None:
-            output = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-        key_mass, entropy = _exact_scores(queries, keys, scale, mask, score_rows, entropy_rows)
+            output = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        key_mass, entropy = _exact_scores(queries, keys, scale, mask, sinks, score_rows, entropy_rows)
     return AttentionResult(output, key_mass, entropy, batch * n_q_heads * entropy_rows)
 
 
@@ -118,7 +153,7 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
     return attend_and_score(queries, keys, values, scale=scale, mask=mask).output
 
 
-def _exact_scores(queries, keys, scale, mask, score_rows: int, entropy_rows: int):
+def _exact_scores(queries, keys, scale, mask, sinks, score_rows: int, entropy_rows: int):
     """Key mass and sampled entropy from a precise softmax over the last rows, block by block."""
     n_queries, n_keys = queries.shape[2], keys.shape[2]
     first = n_queries - max(score_rows, entropy_rows)
@@ -129,7 +164,7 @@ def _exact_scores(queries, keys, scale, mask, score_rows: int, entropy_rows: int
         # a causal block sees the keys up to its last query: lower-right aligned again
         visible = n_keys - n_queries + stop if isinstance(mask, str) else n_keys
         rows_mask = _rows_of(mask, start, stop)
-        probs = attention.attention_probs(queries[:, :, start:stop], keys[:, :, :visible], scale, rows_mask)
+        probs = attention.attention_probs(queries[:, :, start:stop], keys[:, :, :visible], scale, rows_mask, sinks)
         if stop > n_queries - score_rows:
             mass = attention.key_mass(probs[:, :, :, max(0, n_queries - score_rows - start) :])  # [B, H, visible]
             mass = mx.pad(mass, [(0, 0), (0, 0), (0, n_keys - visible)]) if visible < n_keys else mass

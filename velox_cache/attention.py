@@ -7,7 +7,7 @@ Shapes: ``B`` batch, ``H`` KV heads, ``R`` query heads per KV head (GQA group),
 from __future__ import annotations
 
 import math
-from typing import Union
+from typing import Optional, Union
 
 import mlx.core as mx
 
@@ -20,12 +20,17 @@ def causal_mask(n_queries: int, n_keys: int) -> mx.array:
     return query_index >= mx.arange(n_keys)[None]
 
 
-def attention_probs(queries: mx.array, keys: mx.array, scale: float, mask: Mask) -> mx.array:
+def attention_probs(
+    queries: mx.array, keys: mx.array, scale: float, mask: Mask, sinks: Optional[mx.array] = None
+) -> mx.array:
     """Softmax attention probabilities ``[B, H, R, S, N]`` (float32) for GQA inputs.
 
     ``queries`` is ``[B, H*R, S, D]`` and ``keys`` ``[B, H, N, D]``; ``mask`` is
     None, ``"causal"`` or an array broadcastable to ``[B, H*R, S, N]`` (boolean
-    or additive), as mlx-lm passes it to attention.
+    or additive), as mlx-lm passes it to attention. ``sinks`` ``[H*R]`` are
+    per-head logits that take part in the softmax but attend to nothing (as
+    ``mx.fast.scaled_dot_product_attention(..., sinks=)``): rows then sum to
+    less than 1.
     """
     batch, n_q_heads, n_queries, dim = queries.shape
     n_kv_heads, n_keys = keys.shape[1], keys.shape[2]
@@ -43,6 +48,9 @@ def attention_probs(queries: mx.array, keys: mx.array, scale: float, mask: Mask)
             logits = mx.where(mask, logits, -mx.inf)
         else:
             logits = logits + mask.astype(mx.float32)
+    if sinks is not None:
+        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, n_kv_heads, group, 1, 1), (*logits.shape[:-1], 1))
+        return mx.softmax(mx.concatenate([logits, sink], axis=-1), axis=-1, precise=True)[..., :-1]
     return mx.softmax(logits, axis=-1, precise=True)
 
 

@@ -21,6 +21,7 @@ always counts every token passed in (probes excepted).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,10 +29,12 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
+from . import attention
 from .accounting import CacheAccounting
 from .attend import AttentionResult, attend_and_score
 from .config import ConfigError, KVCacheConfig
-from .observe import is_observing
+from .masks import MaskMismatchError, SharedMaskRecord, fit_mask, is_plain_causal
+from .observe import is_observing, is_routed
 from .phases import Phase
 from .selection import WindowSelector
 from .signals import CumulativeMass
@@ -81,6 +84,12 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         self._pending = False  # streaming: the last chunk still awaits its selection
         self._scoring: Optional[str] = None
         self._awaiting_observation = False
+        self.attention_scale: Optional[float] = None  # the model's softmax scale, when the builder knows it
+        self.shared_mask = SharedMaskRecord()  # shared by a stack from ``KVCacheBuilder.for_model``
+        self.scoring_fallback: Optional[str] = None  # why observed scoring fell back to the key proxy
+        self._pending_keys = None  # new keys of a call still awaiting its observation
+        self._observed_scale: Optional[float] = None
+        self._mask_reaches_attention = False  # the model's causal array mask reached Velox's attention
 
     # ----- the three choices --------------------------------------------------------------
 
@@ -187,6 +196,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
             return
         self._probe = None
         self._awaiting_observation = False
+        self._pending_keys = None
         if not self.slots.empty:
             self.slots.truncate(mark.stored, mark.capacity)
         self.offset, self._tokens_seen = mark.offset, mark.tokens_seen
@@ -241,13 +251,12 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         layer is at budget (decode uses no mask, so slot order is free).
         """
         if self._awaiting_observation:
-            raise RuntimeError(
-                "scoring='observed' but the model is not observed: run it inside "
-                "`with velox_cache.observe(model):` or set scoring='key_proxy'"
-            )
+            self._missed_observation()
         n_new = keys.shape[2]
         if self.slots.empty:
             self._start(keys, values)
+        if n_new > 1:
+            self._check_shared_mask(n_new)
         if keys.dtype != self.slots.keys.dtype or values.dtype != self.slots.values.dtype:
             keys, values = keys.astype(self.slots.keys.dtype), values.astype(self.slots.values.dtype)
         if n_new == 1 and self._prefilling and self.offset > 0 and self._phase is None:
@@ -270,6 +279,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         held = self.slots.held()
         if self.scoring == "observed":
             self._awaiting_observation = True
+            self._pending_keys = keys
         else:
             self._score_with_key_proxy(keys, held[0])
             if n_new > 1 and self._evicting_now():
@@ -278,29 +288,46 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
             self.timing.after_chunk(self)
         return held
 
-    def observe_attention(self, queries, keys, values, scale, mask) -> mx.array:
+    def observe_attention(self, queries, keys, values, scale, mask, sinks=None) -> mx.array:
         """Attention for this layer's step with the real queries, scoring tokens on the way.
 
         Called by ``velox_cache.observe`` (and ``fast_attention``) in place of
-        the model's attention with the arrays ``update_and_fetch`` returned.
+        the model's attention with the arrays ``update_and_fetch`` returned
+        (or keys derived from them, as multi-head latent attention does).
         With observed scoring, the scores come from the same pass as the
         output (``attend_and_score``); otherwise this is plain attention.
+        ``sinks`` (per-head logits that take softmax mass, as in gpt-oss)
+        count in both. An array mask built for another layer's key count is
+        rebuilt for this layer's (``masks.fit_mask``).
         """
+        n_queries, n_keys = queries.shape[2], keys.shape[2]
+        if isinstance(mask, mx.array):
+            self._mask_reaches_attention = is_plain_causal(mask)
+            mask = fit_mask(mask, n_queries, n_keys)
         if self.scoring != "observed":
-            return attend_and_score(queries, keys, values, scale=scale, mask=mask).output
+            return attend_and_score(queries, keys, values, scale=scale, mask=mask, sinks=sinks).output
         self._awaiting_observation = False
-        n_queries = queries.shape[2]
+        self._pending_keys = None
+        self._observed_scale = scale
         result = attend_and_score(
             queries,
             keys,
             values,
             scale=scale,
             mask=mask,
+            sinks=sinks,
             score_rows=self._rows_for_scores(n_queries),
             entropy_rows=self._rows_for_concentration(n_queries),
         )
         self._use_scores(result)
-        self._remember_window(queries)
+        # Keys derived from the stored ones (MLA), an additive mask (position scores) or sinks: the
+        # remembered queries and the held keys cannot reproduce the window's attention, so keep it as computed.
+        derived = keys.shape[1] != self.slots.keys.shape[1] or keys.shape[-1] != self.slots.keys.shape[-1]
+        additive = isinstance(mask, mx.array) and mask.dtype != mx.bool_
+        if derived or additive or sinks is not None:
+            self._remember_window_mass(queries, keys, scale, mask, sinks)
+        else:
+            self._remember_window(queries)
         if n_queries > 1 and self._evicting_now():
             self._evict_to(self._budget_in_force())
         return result.output
@@ -309,11 +336,13 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         """The attention mask for ``N`` new tokens over the keys the next call returns."""
         if window_size is not None:
             raise NotImplementedError(
-                f"{type(self).__name__} does not support sliding-window attention layers"
+                f"layer {self.layer_id}: {type(self).__name__} does not support sliding-window attention "
+                "layers (a model should give them a RotatingKVCache in make_cache)"
             )
         if N == 1:
             return None
         if return_array:
+            self.shared_mask.record(self.layer_id, self.offset, N, self.slots.stored + N)
             return create_causal_mask(N, self.slots.stored)
         return "causal"
 
@@ -338,6 +367,10 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
             f"{cls.__name__} cannot be merged into an mlx-lm batch cache: run one sequence per "
             "cache stack (a batch cache would silently grow without bound)"
         )
+
+    def keys_and_values(self):
+        """The held keys and values (``[B, H, kept, D]``), for models that share one layer's KV with others."""
+        return self.slots.held()
 
     def empty(self) -> bool:
         return self.slots.empty
@@ -426,8 +459,9 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         if self.slots.stored <= target:
             return
         ranking = self._protected_scores()
-        keep = mx.argpartition(-ranking, kth=target - 1, axis=-1)[..., :target]
-        self.slots.keep(mx.sort(keep, axis=-1))  # [B, H, target]
+        keep = mx.sort(mx.argpartition(-ranking, kth=target - 1, axis=-1)[..., :target], axis=-1)  # [B, H, target]
+        self.selector.keep(keep, self.slots.stored)
+        self.slots.keep(keep)
 
     def _replace_lowest(self, keys: mx.array, values: mx.array) -> None:
         """Write one new token into each head's lowest-ranked slot (buffer already at budget)."""
@@ -459,33 +493,102 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
                 proxies,
                 held_keys,
                 None,
-                scale=new_keys.shape[-1] ** -0.5,
+                scale=self.attention_scale if self.attention_scale is not None else new_keys.shape[-1] ** -0.5,
                 mask="causal" if rows > 1 else None,
                 score_rows=score_rows,
                 entropy_rows=entropy_rows,
             )
             self._use_scores(result)
 
+    def _missed_observation(self) -> None:
+        """The previous call's attention never reached ``observe_attention``: fail clearly or fall back."""
+        if not is_routed():
+            raise RuntimeError(
+                "scoring='observed' but the model is not observed: run it inside "
+                "`with velox_cache.observe(model):` or set scoring='key_proxy'"
+            )
+        self.scoring_fallback = "attention call not observed"
+        warnings.warn(
+            f"layer {self.layer_id}: its attention did not go through velox_cache.observe (the model "
+            "computes attention itself, or with arguments the observer does not handle); this layer "
+            "scores tokens with the key proxy from now on",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self._scoring = "key_proxy"
+        self._awaiting_observation = False
+        self.selector.clear()
+        pending, self._pending_keys = self._pending_keys, None
+        self._score_with_key_proxy(pending, self.slots.held()[0])
+        if pending.shape[2] > 1 and self._evicting_now():
+            self._evict_to(self._budget_in_force())
+
+    def _check_shared_mask(self, n_new: int) -> None:
+        """Fail clearly when the model's one array mask, built by another layer, will not fit this one."""
+        width = self.shared_mask.width_for_call(self.layer_id, self.offset, n_new)
+        n_keys = self.slots.stored + n_new
+        if width is None or width == n_keys:
+            return
+        if is_routed() and self._mask_reaches_attention:
+            return  # observe_attention rebuilds the causal mask for this layer's keys
+        raise MaskMismatchError(
+            f"layer {self.layer_id}: the model builds one array mask for every layer from layer "
+            f"{self.shared_mask.maker}'s cache ({width} keys) but this layer holds {n_keys} after "
+            "eviction; per-layer budgets cannot share it. Run this multi-token call inside "
+            "`velox_cache.observe(model)` or `velox_cache.fast_attention(model)` (for models that pass "
+            "the mask to scaled_dot_product_attention), or use equal budgets (method='h2o'/'snapkv') "
+            "or one prompt per cache stack with eviction='prefill_end'"
+        )
+
     def _use_scores(self, result: AttentionResult) -> None:
         """Fold one call's key mass ``[B, H, N]`` into the scores (or, in a probe, into its ranking)."""
         self._observe_entropy(result)
         if result.key_mass is None:
             return
+        key_mass = self._fold_heads(result.key_mass)
         if self._probe is not None:
             if self.timing.uses_probes:
-                self._probe_scores = self.selector.probe_scores(result.key_mass, self._probe.stored)
+                self._probe_scores = self.selector.probe_scores(key_mass, self._probe.stored)
             return
-        self.signal.fold(self.slots, result.key_mass)
+        self.signal.fold(self.slots, key_mass)
+
+    def _fold_heads(self, mass: mx.array) -> mx.array:
+        """Sum per-head mass ``[B, H', ...]`` onto this cache's heads when attention ran on more (MLA, repeats)."""
+        heads = self.slots.keys.shape[1]
+        if mass.shape[1] == heads:
+            return mass
+        return mass.reshape(mass.shape[0], heads, -1, *mass.shape[2:]).sum(axis=2)
+
+    def _remembers_window(self) -> bool:
+        return self._probe is None and self._prefilling and self.timing.selects_by_window
 
     def _remember_window(self, queries: mx.array) -> None:
         """Keep the latest ``window`` queries of the prompt for window-based selection."""
-        if self._probe is None and self._prefilling and self.timing.selects_by_window:
+        if self._remembers_window():
             self.selector.remember(queries, self.offset - queries.shape[2])
+
+    def _remember_window_mass(self, queries, keys, scale, mask, sinks) -> None:
+        """Keep the attention the call's last ``window`` queries paid each key, as computed ``[B, H, W, N]``."""
+        if not self._remembers_window():
+            return
+        rows = min(self.selector.window, queries.shape[2])
+        row_mask = mask
+        if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] > 1:
+            row_mask = mask[..., -rows:, :]
+        probs = attention.attention_probs(queries[:, :, -rows:], keys, scale, row_mask, sinks)  # [B, H', R, rows, N]
+        self.selector.remember_mass(self._fold_heads(probs.sum(axis=2)))
+
+    def _window_scale(self) -> Optional[float]:
+        """The window queries' softmax scale: the one observed, else the model's (None: ``D ** -0.5``)."""
+        if self.scoring == "observed" and self._observed_scale is not None:
+            return self._observed_scale
+        return self.attention_scale
 
     def _select_by_window(self) -> None:
         """Replace the held slots' scores by the window's pooled attention (SnapKV)."""
         keys, _ = self.slots.held()
-        self.slots.set_scores(self.selector.scores(keys, self.slots.held_positions()))
+        scores = self.selector.scores(keys, self.slots.held_positions(), scale=self._window_scale())
+        self.slots.set_scores(scores)
 
     def _end_prefill(self) -> None:
         self._prefilling = False

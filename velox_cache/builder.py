@@ -7,6 +7,15 @@ import dataclasses
 from .budgets import pyramid_budgets
 from .config import ConfigError, KVCacheConfig
 from .coordinator import SqueezeCoordinator
+from .masks import SharedMaskRecord
+from .model_caches import (
+    UnsupportedModelError,
+    architecture_name,
+    attention_scale,
+    compressible_slots,
+    model_caches,
+    refusal_reason,
+)
 from .policies import POLICIES, SqueezeAttentionCache
 
 
@@ -29,31 +38,65 @@ class KVCacheBuilder:
 
     @staticmethod
     def for_model(model, config: KVCacheConfig, *, prompt_tokens: int | None = None) -> list:
-        """A fresh list of per-layer caches for ``model`` (pass it as ``prompt_cache=``).
+        """A fresh cache list for ``model`` (pass it as ``prompt_cache=``).
 
-        PyramidKV layers get their budgets from ``pyramid_budgets``; squeeze
-        layers share one fresh ``SqueezeCoordinator``. Build a new stack per
-        document: caches hold one sequence's state. ``prompt_tokens`` (the
-        prompt's length) resolves a percentage budget such as ``"25%"``.
+        Asks the model what each layer needs (``model.make_cache()`` where
+        defined, mlx-lm's ``make_prompt_cache`` otherwise) and replaces only the
+        plain global-attention ``KVCache`` entries (also the one inside a
+        ``CacheList`` of a hybrid layer) with Velox caches; sliding-window,
+        state-space and other caches stay as the model made them. Budgets are
+        computed over the compressed layers only: PyramidKV tapers over them
+        in order, squeeze layers share one fresh ``SqueezeCoordinator``.
+        Each Velox cache's ``layer_id`` is its index in the returned list.
+        Build a new stack per document: caches hold one sequence's state.
+        ``prompt_tokens`` (the prompt's length) resolves a percentage budget
+        such as ``"25%"``.
+
+        Raises ``UnsupportedModelError`` naming the architecture when it has
+        no layer to compress (``method='full'`` then returns the model's own
+        caches).
         """
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config: expected a KVCacheConfig, got {type(config).__name__}")
         config = _resolved(config, prompt_tokens)
-        layers = getattr(model, "layers", None)
-        if layers is None:
-            raise TypeError(f"model: {type(model).__name__} has no `layers`; not an mlx-lm language model")
-        n_layers = len(layers)
-        policy = POLICIES[config.method]
-        if config.method == "pyramidkv":
-            budgets = pyramid_budgets(n_layers, config.budget, config.n_sink, config.beta)
-            return [
-                policy(dataclasses.replace(config, resolved_budget=budget), layer_id=i)
-                for i, budget in enumerate(budgets)
-            ]
+        caches = model_caches(model)
+        slots = compressible_slots(caches)
+        if not slots and config.method != "full":
+            raise UnsupportedModelError(
+                f"{architecture_name(model)} cannot be compressed by Velox: {refusal_reason(caches)}"
+            )
+        budgets = _layer_budgets(config, len(slots))
+        coordinator = None
         if config.method == "squeeze":
-            coordinator = SqueezeCoordinator(n_layers, config.budget, config.n_sink, config.strength)
-            return [SqueezeAttentionCache(config, layer_id=i, coordinator=coordinator) for i in range(n_layers)]
-        return [policy(config, layer_id=i) for i in range(n_layers)]
+            coordinator = SqueezeCoordinator(
+                len(slots), config.budget, config.n_sink, config.strength, layer_ids=[s.index for s in slots]
+            )
+        mask_record = SharedMaskRecord()
+        for slot, budget in zip(slots, budgets):
+            layer_config = dataclasses.replace(config, resolved_budget=budget) if budget else config
+            if coordinator is not None:
+                cache = SqueezeAttentionCache(layer_config, layer_id=slot.index, coordinator=coordinator)
+            else:
+                cache = POLICIES[config.method](layer_config, layer_id=slot.index)
+            cache.attention_scale = attention_scale(model, slot.index)
+            cache.shared_mask = mask_record
+            _put(caches, slot, cache)
+        return caches
+
+
+def _layer_budgets(config: KVCacheConfig, n_layers: int) -> list:
+    if config.method == "pyramidkv" and n_layers:
+        return pyramid_budgets(n_layers, config.budget, config.n_sink, config.beta)
+    return [None] * n_layers
+
+
+def _put(caches: list, slot, cache) -> None:
+    if slot.member is None:
+        caches[slot.index] = cache
+    else:
+        members = list(caches[slot.index].caches)
+        members[slot.member] = cache
+        caches[slot.index].caches = tuple(members)
 
 
 def _resolved(config: KVCacheConfig, prompt_tokens) -> KVCacheConfig:

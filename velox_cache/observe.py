@@ -2,14 +2,20 @@
 
 mlx-lm never hands queries to a cache. Every mlx-lm architecture whose
 attention calls ``scaled_dot_product_attention(queries, keys, values,
-cache=..., scale=..., mask=...)`` from its own module can be routed: inside
-either context that function is wrapped so that a Velox cache computes the
-attention itself (scoring tokens from the same pass when its scoring is
-observed), every other cache (plain ``KVCache`` included) gets
-``velox_cache.attend`` (Velox's kernel on the CPU backend, the fused kernel
-elsewhere), and quantized caches and attention sinks fall through to the
-original. ``observe`` also makes caches whose scoring is left open score by
-observed attention.
+cache=..., scale=..., mask=..., sinks=...)`` from its own module can be
+routed: inside either context that function is wrapped so that a Velox cache
+computes the attention itself (scoring tokens from the same pass when its
+scoring is observed; attention sinks, as in gpt-oss, count in both), every
+other cache (plain ``KVCache`` included) gets ``velox_cache.attend`` (Velox's
+kernel on the CPU backend, the fused kernel elsewhere), and quantized caches,
+calls with attention sinks or other arguments, and calls Velox's kernel cannot
+take (``attend.kernel_supports``) fall through to the original. ``observe``
+also makes caches whose scoring is left open score by observed attention.
+
+A call on a Velox cache with arguments the wrapper does not know falls through
+to the original too; the cache then notices at its next call that it was not
+observed, warns, and scores that layer with the key proxy from then on (never
+silently mis-scored).
 """
 
 from __future__ import annotations
@@ -18,10 +24,11 @@ import contextlib
 import sys
 import threading
 
-from .attend import attend
+from .attend import attend, kernel_supports
 
 ATTENTION_FUNCTION = "scaled_dot_product_attention"
-_active = 0
+_active = 0  # observe contexts open
+_routing = 0  # observe and fast_attention contexts open
 _lock = threading.Lock()
 
 
@@ -34,6 +41,11 @@ def is_observing() -> bool:
     return _active > 0
 
 
+def is_routed() -> bool:
+    """True inside any ``observe`` or ``fast_attention`` context: Velox caches get their attention calls."""
+    return _routing > 0
+
+
 def _attention_modules(model) -> list:
     modules = {type(model).__module__}
     for _, child in model.named_modules():
@@ -42,12 +54,19 @@ def _attention_modules(model) -> list:
     return [m for m in found if callable(getattr(m, ATTENTION_FUNCTION, None))]
 
 
+def can_route(model) -> bool:
+    """True when some module of ``model`` calls mlx-lm's attention function (``observe`` can wrap it)."""
+    return bool(_attention_modules(model))
+
+
 def _wrap(original):
-    def velox_attention(queries, keys, values, cache=None, scale=1.0, mask=None, **kwargs):
-        if kwargs.get("sinks") is not None or hasattr(cache, "bits"):  # not ours: sinks, quantized caches
+    def velox_attention(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None, **kwargs):
+        if hasattr(cache, "observe_attention") and not kwargs:
+            return cache.observe_attention(queries, keys, values, scale, mask, sinks=sinks)
+        if sinks is not None:
+            kwargs["sinks"] = sinks
+        if kwargs or hasattr(cache, "bits") or not kernel_supports(queries, keys, values, mask):
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
-        if hasattr(cache, "observe_attention"):
-            return cache.observe_attention(queries, keys, values, scale, mask)
         return attend(queries, keys, values, scale=scale, mask=mask)
 
     velox_attention.__wrapped__ = original
@@ -56,7 +75,7 @@ def _wrap(original):
 
 @contextlib.contextmanager
 def _routed(model, *, observing: bool):
-    global _active
+    global _active, _routing
     modules = _attention_modules(model)
     if not modules:
         what = "be observed" if observing else "use Velox attention"
@@ -69,6 +88,7 @@ def _routed(model, *, observing: bool):
         for module, original in originals:
             setattr(module, ATTENTION_FUNCTION, _wrap(original))
         _active += observing
+        _routing += 1
     try:
         yield model
     finally:
@@ -76,6 +96,7 @@ def _routed(model, *, observing: bool):
             for module, original in reversed(originals):
                 setattr(module, ATTENTION_FUNCTION, original)
             _active -= observing
+            _routing -= 1
 
 
 def observe(model):

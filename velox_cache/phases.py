@@ -23,7 +23,8 @@ once told, a single-token call is just a one-token chunk.
 
 Caches that know nothing of phases (mlx-lm's own, for layers Velox does not
 replace) are left alone, except that a probe must not stay in them: it is
-trimmed off where the cache is trimmable, and refused where it is not.
+trimmed off where the cache is trimmable, and refused where it is not. The
+members of a hybrid layer's ``CacheList`` count as caches of their own.
 """
 
 from __future__ import annotations
@@ -50,6 +51,15 @@ class Phase(str, enum.Enum):
             raise ValueError(f"phase: {value!r} is not one of {names}") from None
 
 
+def leaves(caches: Iterable) -> list:
+    """Every cache of a stack, with the members of a ``CacheList`` (a hybrid layer) in its place."""
+    found = []
+    for cache in caches:
+        members = getattr(cache, "caches", None)
+        found.extend(members if isinstance(members, (list, tuple)) else [cache])
+    return found
+
+
 def knows_phases(cache) -> bool:
     """True for caches that take phases (every Velox eviction cache)."""
     return callable(getattr(cache, "begin_phase", None))
@@ -60,14 +70,14 @@ def tell(caches: Iterable, phase) -> None:
     phase = Phase.parse(phase)
     if phase is Phase.PROBE:
         raise ValueError("phase: use `with phases.probe(caches):` for a probe (it must be dropped afterwards)")
-    for cache in caches:
+    for cache in leaves(caches):
         if knows_phases(cache):
             cache.begin_phase(phase)
 
 
 def wants_probe(caches: Iterable) -> bool:
     """True when some cache in the stack ranks tokens by a probe (streaming timing)."""
-    return any(getattr(cache, "uses_probes", False) for cache in caches)
+    return any(getattr(cache, "uses_probes", False) for cache in leaves(caches))
 
 
 @contextlib.contextmanager
@@ -80,18 +90,20 @@ def probe(caches: list):
     trimmed back; a stack with a cache that can drop nothing is refused
     before anything runs.
     """
-    caches = list(caches)
-    for index, cache in enumerate(caches):
-        if not knows_phases(cache) and not _trimmable(cache):
-            raise TypeError(f"caches[{index}]: {type(cache).__name__} cannot drop a probe's tokens")
-    offsets = [None if knows_phases(c) else c.offset for c in caches]
-    for cache in caches:
+    stack = list(caches)
+    for index, layer in enumerate(stack):
+        for cache in leaves([layer]):
+            if not knows_phases(cache) and not _trimmable(cache):
+                raise TypeError(f"caches[{index}]: {type(cache).__name__} cannot drop a probe's tokens")
+    members = leaves(stack)
+    offsets = [None if knows_phases(c) else c.offset for c in members]
+    for cache in members:
         if knows_phases(cache):
             cache.begin_phase(Phase.PROBE)
     try:
-        yield caches
+        yield stack
     finally:
-        for cache, offset in zip(caches, offsets):
+        for cache, offset in zip(members, offsets):
             if knows_phases(cache):
                 cache.end_probe()
             elif cache.offset > offset:

@@ -126,7 +126,7 @@ class _Positions:
     def __init__(self, model, caches: list, context_length: Optional[int]):
         self.model = model
         self.context = context_length or model_context(model)
-        self.movable = [c for c in caches if callable(getattr(c, "compact_positions", None))]
+        self.movable = [c for c in phases.leaves(caches) if callable(getattr(c, "compact_positions", None))]
         self.shift: Optional[RotaryShift] = None
 
     def make_room(self, upcoming: int) -> None:

@@ -6,6 +6,11 @@ last ``window`` queries rank every held token. In streaming prefill the
 and then dropped) ranks every held and new token with all of its queries.
 Both max-pool the mass over ``kernel`` neighbouring slots, so that a fact
 split into several tokens (six digits) survives whole.
+
+Where the remembered queries and the held keys cannot reproduce the window's
+attention (keys derived from the stored ones, as in multi-head latent
+attention; an additive position mask; attention sinks), the window's
+attention is kept as it was computed instead (``remember_mass``).
 """
 
 from __future__ import annotations
@@ -30,20 +35,22 @@ class WindowSelector:
         self.kernel = kernel
         self.queries: Optional[mx.array] = None  # [B, H*R, W, D]
         self.positions: Optional[mx.array] = None  # [W], the position of each query
+        self.mass: Optional[mx.array] = None  # [B, H, W, N]: each window row's attention, kept as computed
 
     @property
     def arrays(self) -> list:
-        return [a for a in (self.queries, self.positions) if a is not None]
+        return [a for a in (self.queries, self.positions, self.mass) if a is not None]
 
     @property
     def ready(self) -> bool:
-        return self.queries is not None
+        return self.queries is not None or self.mass is not None
 
     def clear(self) -> None:
-        self.queries = self.positions = None
+        self.queries = self.positions = self.mass = None
 
     def remember(self, queries: mx.array, first_position: int) -> None:
         """Add a call's queries ``[B, H*R, S, D]`` at positions ``first_position ..``; keep the last ``window``."""
+        self.mass = None
         window = self.window
         n_new = queries.shape[2]
         positions = mx.arange(first_position, first_position + n_new, dtype=mx.int32)
@@ -54,16 +61,47 @@ class WindowSelector:
             self.queries = mx.concatenate([self.queries, queries], axis=2)[:, :, -window:]
             self.positions = mx.concatenate([self.positions, positions])[-window:]
 
-    def scores(self, keys: mx.array, key_positions: mx.array) -> mx.array:
+    def remember_mass(self, row_mass: mx.array) -> None:
+        """Add a call's last rows' attention ``[B, H, rows, N]`` (N: the keys it saw); keep the last ``window``.
+
+        Earlier rows never saw this call's keys: they get zero mass there.
+        """
+        self.queries = self.positions = None
+        if self.mass is not None and row_mass.shape[2] < self.window:
+            earlier = _pad_keys(self.mass, row_mass.shape[-1])
+            row_mass = mx.concatenate([earlier, row_mass], axis=2)
+        self.mass = row_mass[:, :, -self.window :]
+
+    def keep(self, indices: mx.array, n_slots: int) -> None:
+        """The ``n_slots`` held slots became ``indices`` ``[B, H, K]`` of them: keep the kept mass in step."""
+        if self.mass is None:
+            return
+        mass = _pad_keys(self.mass, n_slots)  # [B, H, W, n_slots]
+        index = mx.broadcast_to(indices[:, :, None], (*mass.shape[:3], indices.shape[-1]))
+        self.mass = mx.take_along_axis(mass, index, axis=-1)
+
+    def scores(self, keys: mx.array, key_positions: mx.array, *, scale: Optional[float] = None) -> mx.array:
         """SnapKV: the remembered queries' attention on ``keys`` ``[B, H, N, D]``, max-pooled ``[B, H, N]``.
 
-        A query sees the keys at or before its own position (``key_positions`` ``[B, H, N]``).
+        A query sees the keys at or before its own position (``key_positions``
+        ``[B, H, N]``). ``scale`` is the softmax scale of the remembered
+        queries (default ``D ** -0.5``). Attention kept as computed is used as
+        it is.
         """
+        if self.mass is not None:
+            mass = _pad_keys(self.mass, keys.shape[2])[..., : keys.shape[2]]
+            return attention.max_pool(mass.sum(axis=2), self.kernel)
         visible = key_positions[:, :, None, None, :] <= self.positions[None, None, None, :, None]
-        scale = keys.shape[-1] ** -0.5
+        scale = keys.shape[-1] ** -0.5 if scale is None else scale
         probs = attention.attention_probs(self.queries, keys, scale, visible)
         return pooled_mass(probs, self.kernel)
 
     def probe_scores(self, key_mass: mx.array, n_keys: int) -> mx.array:
         """The probe's attention mass ``[B, H, N]`` on the first ``n_keys`` keys (the non-probe ones), pooled."""
         return attention.max_pool(key_mass[..., :n_keys], self.kernel)
+
+
+def _pad_keys(mass: mx.array, n_keys: int) -> mx.array:
+    """``mass`` ``[..., N]`` with zero mass for keys ``N .. n_keys - 1``."""
+    pad = n_keys - mass.shape[-1]
+    return mx.pad(mass, [(0, 0)] * (mass.ndim - 1) + [(0, pad)]) if pad > 0 else mass
