@@ -145,7 +145,9 @@ def test_two_streams_give_the_same_attention(monkeypatch):
     one = attend_and_score(queries, keys, values, scale=0.2, mask="causal", score_rows=20)
     monkeypatch.setenv("VELOX_ATTENTION_STREAMS", "2")
     two = attend_and_score(queries, keys, values, scale=0.2, mask="causal", score_rows=20)
-    assert mx.array_equal(one.output, two.output).item()
+    # the same arithmetic; only the GEMM's rounding may differ, as OpenBLAS's AVX-512
+    # kernels block a half block's rows differently from a whole block's
+    assert mx.allclose(one.output, two.output, rtol=1e-6, atol=1e-6).item()
     assert mx.allclose(one.key_mass, two.key_mass, atol=1e-6).item()
     monkeypatch.setenv("VELOX_ATTENTION_STREAMS", "3")
     with pytest.raises(ValueError, match="VELOX_ATTENTION_STREAMS"):
