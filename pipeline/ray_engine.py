@@ -152,7 +152,7 @@ class RayEngine:
             self.workers = max(1, int(ray.cluster_resources().get("CPU", 1)) // self.settings.cpus_per_worker)
 
     def run(self, items: Iterable[WorkItem]) -> Iterator[tuple[WorkItem, list[VariantOutcome]]]:
-        items = list(items)  # the whole plan is made (and its settled rows stored) before dispatch
+        items = longest_first(items)  # the whole plan is made (and its settled rows stored) before dispatch
         if not items:
             return
         pending = {item.index: item for item in items}
@@ -187,6 +187,15 @@ class RayEngine:
         if self._started_here and ray.is_initialized():
             ray.shutdown()
         self._started_here = False
+
+
+def longest_first(items: Iterable[WorkItem]) -> list[WorkItem]:
+    """The items in dispatch order: most prompt tokens to run first (ties keep input order).
+
+    Workers take items in this order, so the run does not end with one worker on a
+    long document while the others idle (longest-processing-time-first scheduling).
+    """
+    return sorted(items, key=lambda item: -len(item.prompt_tokens) * len(item.variants))
 
 
 def _quiet_ray_data_console() -> None:

@@ -1,5 +1,6 @@
 """Engine settings, the plan / execute / persist seams, and the run row's engine columns (no Ray needed)."""
 
+import dataclasses
 import re
 import socket
 import sqlite3
@@ -160,3 +161,15 @@ def test_cluster_workers_get_the_drivers_blas_and_attention_settings(monkeypatch
     env = ray_engine.worker_env(2)
     assert env["OPENBLAS_NUM_THREADS"] == "2" and env["LD_PRELOAD"] == "/lib/libblas.so.3"
     assert env["VELOX_ATTENTION"] == "exact" and "VELOX_ATTENTION_STREAMS" not in env
+
+
+def test_ray_dispatches_the_most_work_first_and_keeps_input_order_on_ties(work_item):
+    ray_engine = pytest.importorskip("pipeline.ray_engine", reason="the ray engine needs the velox[ray] extra")
+    short, long = work_item.prompt_tokens[:2], work_item.prompt_tokens * 3
+    items = [
+        dataclasses.replace(work_item, index=0, prompt_tokens=short),
+        dataclasses.replace(work_item, index=1, prompt_tokens=long),
+        dataclasses.replace(work_item, index=2, prompt_tokens=short),
+        dataclasses.replace(work_item, index=3, prompt_tokens=long, variants=work_item.variants[:1]),
+    ]
+    assert [item.index for item in ray_engine.longest_first(items)] == [1, 3, 0, 2]
