@@ -23,7 +23,7 @@ import pipeline.store as store_module
 from pipeline.runner import EXIT_BAD_INPUT, EXIT_LOCKED, JobError, run_job
 from pipeline.spec import SpecError, load_spec, parse_spec
 from pipeline.store import MIGRATIONS, Store
-from tests.test_pipeline import REPO, invoke, job, rows, write_corpus  # noqa: F401 (job is a fixture)
+from tests.test_pipeline import REPO, invoke, job, rows, wait_until_stored, write_corpus  # noqa: F401 (job is a fixture)
 from tests.tiny_model import build_tiny_model_dir
 
 
@@ -293,15 +293,7 @@ def test_a_signal_marks_the_run_interrupted_and_releases_the_lock(job, tmp_path,
         [sys.executable, "-m", "pipeline.cli", "run", str(path), "-q"],
         cwd=REPO, env=cli_env(), stderr=subprocess.PIPE, text=True,
     )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        try:
-            if rows(db, "select count(*) from documents")[0][0] >= 3:
-                break
-        except sqlite3.OperationalError:
-            pass
-        assert process.poll() is None, "the run ended before it could be interrupted"
+    wait_until_stored(process, db, 3, what="interrupted")
     process.send_signal(signum)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == exit_status, stderr

@@ -71,6 +71,19 @@ def rows(db, sql):
         conn.close()
 
 
+def wait_until_stored(process, db, count: int, *, timeout: float = 120, what: str = "killed") -> None:
+    """Wait until ``db`` holds ``count`` document rows, while ``process`` (the run) keeps running."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        try:
+            if rows(db, "select count(*) from documents")[0][0] >= count:
+                return
+        except sqlite3.OperationalError:  # no store yet, or no table yet
+            pass
+        assert process.poll() is None, f"the run ended before it could be {what}"
+
+
 def invoke(*args):
     return CliRunner().invoke(cli, [str(a) for a in args])
 
@@ -144,16 +157,7 @@ def test_killed_run_resumes_with_nothing_lost_or_doubled(job, tmp_path):
     process = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "run", str(path), "-q"], cwd=REPO, env=env
     )
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        time.sleep(0.05)
-        if db.exists():
-            try:
-                if rows(db, "select count(*) from documents")[0][0] >= 5:
-                    break
-            except sqlite3.OperationalError:
-                pass
-        assert process.poll() is None, "the run finished before it could be killed"
+    wait_until_stored(process, db, 5)
     process.send_signal(signal.SIGKILL)
     process.wait()
     stored = rows(db, "select count(*) from documents")[0][0]

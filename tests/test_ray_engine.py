@@ -8,7 +8,6 @@ here, which Ray imports by name in each worker process.
 import functools
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from pipeline.platform import blas_threads  # noqa: E402
 from pipeline.ray_engine import connect  # noqa: E402
 from pipeline.runner import run_job  # noqa: E402
 from pipeline.spec import EngineSpec, load_spec  # noqa: E402
-from tests.test_pipeline import REPO, job, rows, write_corpus  # noqa: E402, F401 (job is a fixture)
+from tests.test_pipeline import REPO, job, rows, wait_until_stored, write_corpus  # noqa: E402, F401 (job is a fixture)
 
 WORKERS = 2
 OUTPUT_COLUMNS = (
@@ -146,15 +145,7 @@ def test_a_killed_driver_leaves_a_store_the_next_run_completes(job, tmp_path, ra
         [sys.executable, "-m", "pipeline.cli", "run", str(path), "-q", "--engine", "ray", "--address", address],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        time.sleep(0.1)
-        try:
-            if rows(db, "select count(*) from documents")[0][0] >= 3:
-                break
-        except sqlite3.OperationalError:
-            pass
-        assert driver.poll() is None, "the run finished before its driver could be killed"
+    wait_until_stored(driver, db, 3, timeout=180)
     driver.send_signal(signal.SIGKILL)
     driver.wait()
     stored = rows(db, "select count(*) from documents")[0][0]
