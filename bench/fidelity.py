@@ -1,14 +1,17 @@
 """Fidelity benchmark: how closely each policy tracks the full cache on real summaries.
 
 For each corpus document (CPython's reference-manual topics of 1k-4k prompt
-tokens, the instruction after the document), the full cache generates a greedy
+tokens, prompted exactly as the main job ``jobs/summarize.yaml`` prompts them:
+system message, chat template, the instruction after the document, the prompt
+split into prefix / document / instruction so that streaming timing runs the
+instruction as its probe), the full cache generates a greedy
 summary; every policy at every budget then generates its own and is
 teacher-forced on the full output from a snapshot of its cache taken when
 prefill ended (``pipeline.generation.generate(..., reference=...)``). Prints,
 per policy x budget x timing, the mean and the worst document's top-1
 agreement (1.0 = identical behaviour) and log-likelihood gap (nats per token).
 
-    python bench/fidelity.py --documents 8 --fractions 0.5 0.25 0.1
+    python bench/fidelity.py --documents 8 --fractions 0.5 0.25 0.1 --timings default streaming
     python bench/fidelity.py --documents 2 --policies pyramidkv --min-tokens 1000 --max-tokens 1500
 """
 
@@ -23,27 +26,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import load_default_model  # noqa: E402
 from pipeline.generation import Reference, generate  # noqa: E402
-from pipeline.spec import GenerationSpec  # noqa: E402
+from pipeline.prompting import build_prompt  # noqa: E402
+from pipeline.source import Document  # noqa: E402
+from pipeline.spec import GenerationSpec, load_spec  # noqa: E402
 from velox_cache import KVCacheConfig  # noqa: E402
 from velox_cache.policies import POLICIES  # noqa: E402
 
-INSTRUCTION = "Summarize the documentation above in two sentences."
+MAIN_JOB = Path(__file__).resolve().parent.parent / "jobs" / "summarize.yaml"
 
 
 def corpus_prompts(tokenizer, *, count: int, min_tokens: int, max_tokens: int):
-    """``(topic, prompt ids)`` for the first ``count`` topics whose prompt fits the range."""
+    """``(topic, Prompt)`` for the first ``count`` topics whose prompt fits the range, split as the main job's."""
     from pydoc_data.topics import topics
 
+    spec = load_spec(MAIN_JOB)
     found = []
     for name in sorted(topics):
-        content = f"{topics[name]}\n\n{INSTRUCTION}"
-        messages = [{"role": "user", "content": content}]
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        if min_tokens <= len(prompt) <= max_tokens:
-            found.append((name, list(prompt)))
+        prompt = build_prompt(spec, tokenizer, Document(name, {"text": topics[name]}, "-"))
+        if min_tokens <= len(prompt.tokens) <= max_tokens:
+            found.append((name, prompt))
         if len(found) == count:
             break
     return found
+
+
+def parse_value(text: str):
+    """A ``--set`` value: int, float, or the string itself."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def main(argv=None):
@@ -53,14 +67,14 @@ def main(argv=None):
     parser.add_argument("--max-tokens", type=int, default=4000)
     parser.add_argument("--policies", nargs="+", default=[p for p in POLICIES if p != "full"])
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25, 0.1])
-    parser.add_argument("--timings", nargs="+", default=["default"], help="eviction timings: default, continuous, prefill_end")
+    parser.add_argument("--timings", nargs="+", default=["default"], help="eviction timings: default, continuous, prefill_end, streaming")
     parser.add_argument("--output-tokens", type=int, default=40)
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="extra KVCacheConfig fields")
     args = parser.parse_args(argv)
     extra = {}
     for item in args.set:
         field, value = item.split("=", 1)
-        extra[field] = int(value) if value.lstrip("-").isdigit() else value
+        extra[field] = parse_value(value)
 
     model, tokenizer = load_default_model()
     settings = GenerationSpec(max_tokens=args.output_tokens, temperature=0.0, seed=0, prefill_step_size=256)
@@ -73,13 +87,13 @@ def main(argv=None):
         for policy in args.policies:
             for timing in args.timings:
                 for fraction in args.fractions:
-                    budget = max(8, int(len(prompt) * fraction))
+                    budget = max(8, int(len(prompt.tokens) * fraction))
                     fields = dict(method=policy, budget=budget, scoring="observed", **extra)
                     if timing != "default":
                         fields["eviction"] = timing
                     result = generate(model, tokenizer, prompt, KVCacheConfig(**fields), settings, reference=reference)
                     rows.setdefault((policy, timing, fraction), []).append((name, result.fidelity))
-        print(f"# {name}: {len(prompt)} prompt tokens, {len(reference.token_ids)} reference tokens", flush=True)
+        print(f"# {name}: {len(prompt.tokens)} prompt tokens, {len(reference.token_ids)} reference tokens", flush=True)
 
     print(f"\nFidelity to the full cache: {len(documents)} documents of {args.min_tokens}-{args.max_tokens} prompt "
           f"tokens, {args.output_tokens} greedy tokens, SmolLM2-135M {' '.join(args.set)}\n")

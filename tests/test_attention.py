@@ -29,3 +29,35 @@ def test_window_selection_keeps_the_neighbours_of_what_the_question_attends_to()
     kept = set(cache.positions[0, 0, : cache.tokens_kept].tolist())
     assert set(range(needle - 3, needle + 4)) <= kept, "the pooled neighbourhood survives together"
     assert {0, 1} <= kept and cache.tokens_kept == 20
+
+
+def _kept_after_prefill(mass_weight: float) -> set:
+    """Positions a SnapKV layer keeps when every query but the window's looks at one token (30)
+    and the window's queries look at another (80)."""
+    dim, length, early, late = 16, 120, 30, 80
+    mx.random.seed(1)
+    keys = mx.random.normal((1, 1, length, dim)) * 0.05
+    early_direction = mx.zeros((dim,))
+    early_direction[0] = 4.0
+    late_direction = mx.zeros((dim,))
+    late_direction[1] = 4.0
+    keys[0, 0, early] = early_direction
+    keys[0, 0, late] = late_direction
+    queries = mx.broadcast_to(early_direction, (1, 1, length, dim))
+    queries = mx.concatenate([queries[:, :, :-4], mx.broadcast_to(late_direction, (1, 1, 4, dim))], axis=2)
+    config = KVCacheConfig(
+        method="snapkv", budget=6, n_sink=2, recent=0, window=4, kernel=1, scoring="observed", mass_weight=mass_weight
+    )
+    cache = KVCacheFactory.create(config)
+    out_keys, out_values = cache.update_and_fetch(keys, keys)
+    cache.observe_attention(queries, out_keys, out_values, dim**-0.5, "causal")
+    step = mx.zeros((1, 1, 1, dim))
+    cache.update_and_fetch(step, step)  # the first decode step ends prefill: selection runs here
+    return set(cache.positions[0, 0, : cache.tokens_kept].tolist())
+
+
+def test_mass_weight_blends_cumulative_mass_into_the_window_ranking():
+    window_only, blended, mass_only = (_kept_after_prefill(w) for w in (0.0, 0.5, 1.0))
+    assert 80 in window_only and 30 not in window_only, "the window alone ranks by its own queries"
+    assert {30, 80} <= blended, "a blend keeps what either signal ranks first"
+    assert 30 in mass_only, "mass alone keeps what every prompt query looked at"

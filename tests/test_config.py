@@ -78,3 +78,9 @@ def test_a_percentage_budget_is_resolved_by_the_builder(tiny_model):
     with pytest.raises(ConfigError, match="budget.*prompt_tokens"):
         KVCacheBuilder.for_model(model, config)
     assert len(KVCacheBuilder.for_model(model, KVCacheConfig(method="full", budget="25%"))) == 4
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, "half"])
+def test_mass_weight_outside_zero_to_one_names_the_field(value):
+    with pytest.raises(ConfigError, match="mass_weight"):
+        KVCacheConfig(method="pyramidkv", mass_weight=value)

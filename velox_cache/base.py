@@ -204,7 +204,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         if scores is not None and self.timing.uses_probes:
             self._pending = False
             self._before_selection()
-            self.slots.set_scores(scores)
+            self.slots.set_scores(self._blend_with_mass(scores))
             self._evict_to(self._budget_in_force())
 
     def mark_pending(self) -> None:
@@ -477,7 +477,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         if self._probe is not None:
             return n_queries if self.timing.uses_probes else 0
         rows = self.signal.rows(n_queries)
-        if rows and self._prefilling and self.timing.selects_by_window:
+        if rows and self._prefilling and self.timing.selects_by_window and not self.config.mass_weight:
             return 0  # the window (or a probe) decides; prefill chunks need no scores
         return rows
 
@@ -588,7 +588,21 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         """Replace the held slots' scores by the window's pooled attention (SnapKV)."""
         keys, _ = self.slots.held()
         scores = self.selector.scores(keys, self.slots.held_positions(), scale=self._window_scale())
-        self.slots.set_scores(scores)
+        self.slots.set_scores(self._blend_with_mass(scores))
+
+    def _blend_with_mass(self, ranking: mx.array) -> mx.array:
+        """``ranking`` ``[B, H, held]`` blended with the held scores' cumulative mass (``config.mass_weight``).
+
+        Both are normalised per head first; the blend keeps ``ranking``'s total,
+        so that decoding's attention mass adds to it on the same scale.
+        """
+        weight = self.config.mass_weight
+        if not weight:
+            return ranking
+        mass = self.slots.held_scores()
+        total = ranking.sum(axis=-1, keepdims=True)
+        share = lambda x: x / mx.maximum(x.sum(axis=-1, keepdims=True), 1e-30)  # noqa: E731
+        return total * ((1 - weight) * share(ranking) + weight * share(mass))
 
     def _end_prefill(self) -> None:
         self._prefilling = False

@@ -109,6 +109,12 @@ class KVCacheConfig:
         recent: most recent tokens protected from eviction (``None``: budget // 8).
         window: SnapKV observation window (the prompt's last queries).
         kernel: SnapKV pooling kernel over neighbouring positions (odd).
+        mass_weight: share of cumulative attention mass (H2O, every prompt
+            query) blended into the window's ranking when prefill ends, in
+            [0, 1]: 0 = the window alone (SnapKV), 1 = cumulative mass alone.
+            Each signal is normalised per head before blending. Used where the
+            window selects at prefill end (``prefill_end``, and the final
+            selection of ``streaming``).
     """
 
     method: str = "pyramidkv"
@@ -124,6 +130,7 @@ class KVCacheConfig:
     recent: Optional[int] = None
     window: int = 32
     kernel: int = 31
+    mass_weight: float = 0.0
 
     def __post_init__(self):
         _check_choice("method", self.method, METHODS)
@@ -140,6 +147,7 @@ class KVCacheConfig:
         _check_int("recent", self.recent, 0, optional=True)
         _check_int("window", self.window, 1)
         _check_int("kernel", self.kernel, 1)
+        _check_number("mass_weight", self.mass_weight, 0.0, 1.0)
         if self.kernel % 2 == 0:
             raise ConfigError(f"kernel: must be odd, got {self.kernel}")
         if self.eviction == "streaming":
