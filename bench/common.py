@@ -55,3 +55,23 @@ def timed_run(model, prompt_ids, caches, *, scoring, prefill_step=256, decode_st
             steps.append(time.perf_counter() - start)
         decode = statistics.median(steps)
     return prefill_seconds, decode, mx.get_peak_memory()
+
+
+def config_overrides(items: list[str]) -> dict:
+    """``["mass_weight=0.3", "window=64"]`` (a bench's ``--set``) -> ``KVCacheConfig`` keyword arguments."""
+    overrides = {}
+    for item in items:
+        field, sep, text = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set: expected FIELD=VALUE, got {item!r}")
+        overrides[field] = _number_or_text(text)
+    return overrides
+
+
+def _number_or_text(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import load_default_model  # noqa: E402
+from bench.common import config_overrides, load_default_model  # noqa: E402
 from pipeline.generation import Reference, generate  # noqa: E402
 from pipeline.prompting import build_prompt  # noqa: E402
 from pipeline.source import Document  # noqa: E402
@@ -50,16 +50,6 @@ def corpus_prompts(tokenizer, *, count: int, min_tokens: int, max_tokens: int):
     return found
 
 
-def parse_value(text: str):
-    """A ``--set`` value: int, float, or the string itself."""
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--documents", type=int, default=8)
@@ -71,10 +61,7 @@ def main(argv=None):
     parser.add_argument("--output-tokens", type=int, default=40)
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="extra KVCacheConfig fields")
     args = parser.parse_args(argv)
-    extra = {}
-    for item in args.set:
-        field, value = item.split("=", 1)
-        extra[field] = parse_value(value)
+    extra = config_overrides(args.set)
 
     model, tokenizer = load_default_model()
     settings = GenerationSpec(max_tokens=args.output_tokens, temperature=0.0, seed=0, prefill_step_size=256)

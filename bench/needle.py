@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
 
-from bench.common import load_default_model, prose, scoring_context  # noqa: E402
+from bench.common import config_overrides, load_default_model, prose, scoring_context  # noqa: E402
 from pipeline.generation import prefill  # noqa: E402
 from pipeline.similarity import rouge_l  # noqa: E402
 from velox_cache import KVCacheBuilder, KVCacheConfig  # noqa: E402
@@ -82,13 +82,13 @@ def teacher_forced_agreement(model, prompt_ids, reference_ids, caches, scoring, 
     return sum(p == r for p, r in zip(predictions, reference_ids)) / len(reference_ids)
 
 
-def configurations(prompt_tokens: int, policies, scorings, fractions):
+def configurations(prompt_tokens: int, policies, scorings, fractions, extra=None):
     yield "full", None, None, KVCacheConfig(method="full")
     for policy in policies:
         for fraction in fractions:
             budget = max(8, int(prompt_tokens * fraction))
             for scoring in scorings:
-                yield policy, fraction, scoring, KVCacheConfig(method=policy, budget=budget, scoring=scoring)
+                yield policy, fraction, scoring, KVCacheConfig(method=policy, budget=budget, scoring=scoring, **(extra or {}))
 
 
 def main(argv=None):
@@ -99,6 +99,7 @@ def main(argv=None):
     parser.add_argument("--scorings", nargs="+", default=["observed", "key_proxy"])
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25])
     parser.add_argument("--summaries", type=int, default=3, help="documents for the ROUGE-L part (0: skip)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="extra KVCacheConfig fields")
     args = parser.parse_args(argv)
 
     model, tokenizer = load_default_model()
@@ -108,10 +109,13 @@ def main(argv=None):
         for i in range(args.cases)
     ]
     prompts = [tokenizer.apply_chat_template(c.messages, add_generation_prompt=True) for c in cases]
+    extras = config_overrides(args.set)
     mean_len = sum(map(len, prompts)) // len(prompts)
     results = {}
     for case, prompt in zip(cases, prompts):
-        for policy, fraction, scoring, config in configurations(len(prompt), args.policies, args.scorings, args.fractions):
+        for policy, fraction, scoring, config in configurations(
+            len(prompt), args.policies, args.scorings, args.fractions, extras
+        ):
             caches = KVCacheBuilder.for_model(model, config)
             answer = tokenizer.decode(greedy(model, prompt, caches, scoring, max_tokens=24))
             results.setdefault((policy, fraction, scoring), []).append(case.code in answer)
@@ -134,12 +138,15 @@ def summary_fidelity(model, tokenizer, args):
     from pydoc_data.topics import topics
 
     names = [n for n in sorted(topics) if 300 < len(tokenizer.encode(topics[n])) < 900][: args.summaries]
+    extras = config_overrides(args.set)
     rows = {}
     for name in names:
         content = f"{topics[name]}\n\nSummarize the documentation above in two sentences."
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
         reference = None
-        for policy, fraction, scoring, config in configurations(len(prompt), args.policies, args.scorings, args.fractions):
+        for policy, fraction, scoring, config in configurations(
+            len(prompt), args.policies, args.scorings, args.fractions, extras
+        ):
             output = greedy(model, prompt, KVCacheBuilder.for_model(model, config), scoring, max_tokens=40)
             if policy == "full":
                 reference = output
