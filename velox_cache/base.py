@@ -601,8 +601,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
             return ranking
         mass = self.slots.held_scores()
         total = ranking.sum(axis=-1, keepdims=True)
-        share = lambda x: x / mx.maximum(x.sum(axis=-1, keepdims=True), 1e-30)  # noqa: E731
-        return total * ((1 - weight) * share(ranking) + weight * share(mass))
+        return total * ((1 - weight) * _per_head_share(ranking) + weight * _per_head_share(mass))
 
     def _end_prefill(self) -> None:
         self._prefilling = False
@@ -612,3 +611,8 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
             self._select_by_window()
         self.selector.clear()
         self._evict_to(self._budget_in_force())
+
+
+def _per_head_share(scores: mx.array) -> mx.array:
+    """``scores`` ``[B, H, N]`` divided by each head's total (a head with none stays zero)."""
+    return scores / mx.maximum(scores.sum(axis=-1, keepdims=True), 1e-30)

@@ -110,11 +110,11 @@ class KVCacheConfig:
         window: SnapKV observation window (the prompt's last queries).
         kernel: SnapKV pooling kernel over neighbouring positions (odd).
         mass_weight: share of cumulative attention mass (H2O, every prompt
-            query) blended into the window's ranking when prefill ends, in
-            [0, 1]: 0 = the window alone (SnapKV), 1 = cumulative mass alone.
-            Each signal is normalised per head before blending. Used where the
-            window selects at prefill end (``prefill_end``, and the final
-            selection of ``streaming``).
+            query) blended into the window's or the probe's ranking, in
+            [0, 1]: 0 = that ranking alone (SnapKV), 1 = cumulative mass alone.
+            Each signal is normalised per head before blending. Used where a
+            window selects at prefill end (``prefill_end``, ``streaming``) and
+            at every probe selection of ``streaming``.
     """
 
     method: str = "pyramidkv"
