@@ -84,3 +84,17 @@ def test_a_percentage_budget_is_resolved_by_the_builder(tiny_model):
 def test_mass_weight_outside_zero_to_one_names_the_field(value):
     with pytest.raises(ConfigError, match="mass_weight"):
         KVCacheConfig(method="pyramidkv", mass_weight=value)
+
+
+@pytest.mark.parametrize(
+    "recent, budget, expected", [(None, 400, 50), (7, 400, 7), ("25%", 400, 100), ("25%", "50%", 50), ("100%", 9, 9)]
+)
+def test_the_recent_window_is_tokens_or_a_share_of_the_budget(recent, budget, expected):
+    config = KVCacheConfig(method="pyramidkv", budget=budget, recent=recent).resolved_for(400)
+    assert config.recent_window == expected
+
+
+@pytest.mark.parametrize("value", ["0%", "150%", "25", -1, 2.5])
+def test_bad_recent_windows_name_the_field(value):
+    with pytest.raises(ConfigError, match="^recent"):
+        KVCacheConfig(recent=value)

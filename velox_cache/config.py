@@ -12,6 +12,7 @@ METHODS = ("full", "h2o", "tova", "snapkv", "streaming", "pyramidkv", "squeeze")
 SCORINGS = ("observed", "key_proxy")
 EVICTIONS = ("continuous", "prefill_end", "streaming")
 SELECTIONS = ("cumulative", "window")
+MASS_BLENDS = ("sum", "union")
 KV_DTYPES = ("float16", "bfloat16", "float32")
 
 # Field names of the original library, kept so that code written for it runs unchanged.
@@ -42,15 +43,15 @@ class ConfigError(ValueError):
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
 
 
-def parse_budget_fraction(value: Any) -> Optional[float]:
-    """``"25%"`` -> 0.25; None for an absolute budget (an int). Raises ``ConfigError`` otherwise."""
+def parse_budget_fraction(value: Any, field: str = "budget") -> Optional[float]:
+    """``"25%"`` -> 0.25; None for an absolute value (an int). Raises ``ConfigError`` naming ``field`` otherwise."""
     if isinstance(value, str):
         match = _PERCENT.match(value)
         if not match:
-            raise ConfigError(f"budget: expected a number of tokens or a percentage like '25%', got {value!r}")
+            raise ConfigError(f"{field}: expected a number of tokens or a percentage like '25%', got {value!r}")
         fraction = float(match.group(1)) / 100
         if not 0 < fraction <= 1:
-            raise ConfigError(f"budget: a percentage must be above 0% and at most 100%, got {value!r}")
+            raise ConfigError(f"{field}: a percentage must be above 0% and at most 100%, got {value!r}")
         return fraction
     return None
 
@@ -106,7 +107,9 @@ class KVCacheConfig:
             ``cumulative`` attention mass (H2O) or ``window``: the attention of
             the prompt's last ``window`` queries, max-pooled over ``kernel``
             (SnapKV). ``None`` takes the policy's default.
-        recent: most recent tokens protected from eviction (``None``: budget // 8).
+        recent: most recent tokens protected from eviction: tokens, or a
+            percentage of ``budget`` such as ``"25%"`` (``None``: budget // 8).
+            Per-layer budgets (pyramid, squeeze) share the one window.
         window: SnapKV observation window (the prompt's last queries).
         kernel: SnapKV pooling kernel over neighbouring positions (odd).
         mass_weight: share of cumulative attention mass (H2O, every prompt
@@ -115,6 +118,10 @@ class KVCacheConfig:
             Each signal is normalised per head before blending. Used where a
             window selects at prefill end (``prefill_end``, ``streaming``) and
             at every probe selection of ``streaming``.
+        mass_blend: how ``mass_weight`` enters the choice: ``sum`` ranks by the
+            weighted sum of the two shares; ``union`` keeps the window's (or
+            probe's) own top ``1 - mass_weight`` of the budget and fills the
+            rest by cumulative mass, so the window's first choices always stay.
     """
 
     method: str = "pyramidkv"
@@ -127,10 +134,11 @@ class KVCacheConfig:
     scoring: Optional[str] = None
     eviction: Optional[str] = None
     selection: Optional[str] = None
-    recent: Optional[int] = None
+    recent: Union[int, str, None] = None
     window: int = 32
     kernel: int = 31
     mass_weight: float = 0.0
+    mass_blend: str = "sum"
 
     def __post_init__(self):
         _check_choice("method", self.method, METHODS)
@@ -144,10 +152,12 @@ class KVCacheConfig:
         _check_choice("scoring", self.scoring, SCORINGS, optional=True)
         _check_choice("eviction", self.eviction, EVICTIONS, optional=True)
         _check_choice("selection", self.selection, SELECTIONS, optional=True)
-        _check_int("recent", self.recent, 0, optional=True)
+        if parse_budget_fraction(self.recent, "recent") is None:
+            _check_int("recent", self.recent, 0, optional=True)
         _check_int("window", self.window, 1)
         _check_int("kernel", self.kernel, 1)
         _check_number("mass_weight", self.mass_weight, 0.0, 1.0)
+        _check_choice("mass_blend", self.mass_blend, MASS_BLENDS)
         if self.kernel % 2 == 0:
             raise ConfigError(f"kernel: must be odd, got {self.kernel}")
         if self.eviction == "streaming":
@@ -180,11 +190,12 @@ class KVCacheConfig:
     @property
     def recent_window(self) -> int:
         """Most recent tokens protected from eviction (the budget must be resolved to tokens)."""
-        if self.recent is not None:
+        fraction = parse_budget_fraction(self.recent, "recent")
+        if self.recent is not None and fraction is None:
             return self.recent
         if self.budget_fraction is not None:
             raise ConfigError(f"budget: {self.budget!r} must be resolved to tokens first (resolved_for)")
-        return self.budget // 8
+        return self.budget // 8 if fraction is None else int(fraction * self.budget)
 
     @classmethod
     def from_dict(cls, values: dict, *, where: str = "cache") -> "KVCacheConfig":
