@@ -204,7 +204,8 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         if scores is not None and self.timing.uses_probes:
             self._pending = False
             self._before_selection()
-            self._select_by(scores)
+            self.slots.set_scores(self._blend_with_mass(scores))
+            self._evict_to(self._budget_in_force())
 
     def mark_pending(self) -> None:
         """Streaming: the chunk just appended is to be ranked before the next one (unless a probe does it)."""
@@ -219,6 +220,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
             return
         self._before_selection()
         self._select_by_window()
+        self._evict_to(self._budget_in_force())
 
     def compact_positions(self, shift) -> None:
         """Re-rotate the held keys to positions ``0 .. held - 1`` (``shift``: a ``velox_cache.rope.RotaryShift``).
@@ -441,10 +443,10 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
             return -end % GROWTH_STEP
         return 0  # evicted down to budget soon after
 
-    def _protected_scores(self, ranking: Optional[mx.array] = None) -> mx.array:
-        """Eviction ranking over the held slots ``[B, H, stored]`` (default: the signal's); protected tokens rank +inf."""
+    def _protected_scores(self) -> mx.array:
+        """Eviction ranking over the held slots ``[B, H, stored]``; protected tokens rank +inf."""
         positions = self.slots.held_positions()
-        scores = self.signal.ranking(self.slots) if ranking is None else ranking
+        scores = self.signal.ranking(self.slots)
         budget = self._budget_in_force()
         recent = min(self.config.recent_window, budget - self.config.n_sink - 1)
         protected = positions < self.config.n_sink
@@ -452,11 +454,11 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
             protected = protected | (positions >= self.offset - recent)
         return mx.where(protected, mx.inf, scores)
 
-    def _evict_to(self, target: int, ranking: Optional[mx.array] = None) -> None:
-        """Keep the ``target`` best-ranked held tokens of every head, in slot order (``ranking``: see ``_protected_scores``)."""
+    def _evict_to(self, target: int) -> None:
+        """Keep the ``target`` best-ranked held tokens of every head, in slot order."""
         if self.slots.stored <= target:
             return
-        ranking = self._protected_scores(ranking)
+        ranking = self._protected_scores()
         keep = mx.sort(mx.argpartition(-ranking, kth=target - 1, axis=-1)[..., :target], axis=-1)  # [B, H, target]
         self.selector.keep(keep, self.slots.stored)
         self.slots.keep(keep)
@@ -586,29 +588,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         """Replace the held slots' scores by the window's pooled attention (SnapKV)."""
         keys, _ = self.slots.held()
         scores = self.selector.scores(keys, self.slots.held_positions(), scale=self._window_scale())
-        self._select_by(scores)
-
-    def _select_by(self, ranking: mx.array) -> None:
-        """Keep the budget's worth of held tokens that ``ranking`` ``[B, H, held]`` (a window's or a probe's) prefers.
-
-        The kept tokens' scores become ``ranking`` blended with their cumulative
-        mass (``config.mass_weight``); under ``mass_blend='union'`` the choice
-        itself gives the ranking its own share of the budget and the mass the rest.
-        """
-        target = self._budget_in_force()
-        blended = self._blend_with_mass(ranking)
-        choice = blended
-        if self.config.mass_weight and self.config.mass_blend == "union" and self.slots.stored > target:
-            choice = self._union_choice(ranking, target)
-        self.slots.set_scores(blended)
-        self._evict_to(target, choice)
-
-    def _union_choice(self, ranking: mx.array, target: int) -> mx.array:
-        """Rank ``ranking``'s top ``(1 - mass_weight) * target`` tokens first, the rest by cumulative mass."""
-        first = max(1, round((1 - self.config.mass_weight) * target))
-        top = mx.argpartition(-ranking, kth=first - 1, axis=-1)[..., :first]
-        chosen = mx.put_along_axis(mx.zeros(ranking.shape, dtype=mx.bool_), top, mx.array(True), axis=-1)
-        return mx.where(chosen, 2.0 + _per_head_share(ranking), _per_head_share(self.slots.held_scores()))
+        self.slots.set_scores(self._blend_with_mass(scores))
 
     def _blend_with_mass(self, ranking: mx.array) -> mx.array:
         """``ranking`` ``[B, H, held]`` blended with the held scores' cumulative mass (``config.mass_weight``).
@@ -629,9 +609,8 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         self._on_prefill_end()
         if self.timing.selects_by_window and self.selector.ready:
             self._select_by_window()
-        else:
-            self._evict_to(self._budget_in_force())
         self.selector.clear()
+        self._evict_to(self._budget_in_force())
 
 
 def _per_head_share(scores: mx.array) -> mx.array:

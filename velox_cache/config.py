@@ -12,7 +12,6 @@ METHODS = ("full", "h2o", "tova", "snapkv", "streaming", "pyramidkv", "squeeze")
 SCORINGS = ("observed", "key_proxy")
 EVICTIONS = ("continuous", "prefill_end", "streaming")
 SELECTIONS = ("cumulative", "window")
-MASS_BLENDS = ("sum", "union")
 KV_DTYPES = ("float16", "bfloat16", "float32")
 
 # Field names of the original library, kept so that code written for it runs unchanged.
@@ -118,10 +117,6 @@ class KVCacheConfig:
             Each signal is normalised per head before blending. Used where a
             window selects at prefill end (``prefill_end``, ``streaming``) and
             at every probe selection of ``streaming``.
-        mass_blend: how ``mass_weight`` enters the choice: ``sum`` ranks by the
-            weighted sum of the two shares; ``union`` keeps the window's (or
-            probe's) own top ``1 - mass_weight`` of the budget and fills the
-            rest by cumulative mass, so the window's first choices always stay.
     """
 
     method: str = "pyramidkv"
@@ -138,7 +133,6 @@ class KVCacheConfig:
     window: int = 32
     kernel: int = 31
     mass_weight: float = 0.0
-    mass_blend: str = "sum"
 
     def __post_init__(self):
         _check_choice("method", self.method, METHODS)
@@ -157,7 +151,6 @@ class KVCacheConfig:
         _check_int("window", self.window, 1)
         _check_int("kernel", self.kernel, 1)
         _check_number("mass_weight", self.mass_weight, 0.0, 1.0)
-        _check_choice("mass_blend", self.mass_blend, MASS_BLENDS)
         if self.kernel % 2 == 0:
             raise ConfigError(f"kernel: must be odd, got {self.kernel}")
         if self.eviction == "streaming":
