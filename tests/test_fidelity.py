@@ -74,15 +74,16 @@ def test_teacher_forcing_leaves_the_free_run_and_its_accounting_alone(tiny_model
 
 
 def _forced_from_a_second_prefill(model, prompt, config, reference):
-    """The slow way: a fresh prefill (by phases, as ``generate`` runs it), then the reference one token at a time."""
+    """The slow way: a fresh prefill (by phases, as ``generate`` runs it), then the reference in one pass."""
     caches = KVCacheBuilder.for_model(model, config)
     with velox_cache.observe(model):
         logits = velox_cache.prefill_phases(model, caches, document=prompt, chunk_size=SETTINGS.prefill_step_size,
                                             max_new_tokens=SETTINGS.max_tokens)
         predictions = [mx.argmax(logits, axis=-1).item()]
-        for token in reference.token_ids[:-1]:
-            predictions.append(mx.argmax(model(mx.array([[token]]), cache=caches)[:, -1], axis=-1).item())
+        forced = model(mx.array([reference.token_ids[:-1]]), cache=caches)[0]
+        predictions += mx.argmax(forced, axis=-1).tolist()
     return sum(p == t for p, t in zip(predictions, reference.token_ids)) / len(reference.token_ids)
+
 
 
 @pytest.mark.parametrize("method", ["pyramidkv", "squeeze"])
@@ -101,9 +102,9 @@ def test_teacher_force_scores_the_reference_logprobs():
     vocab = 4
 
     def model(tokens, cache=None):
-        # always predicts token 2 with log-probability log(0.7); others share 0.3
+        # at every position predicts token 2 with log-probability log(0.7); others share 0.3
         probs = mx.array([0.1, 0.1, 0.7, 0.1])
-        return mx.log(probs)[None, None, :]
+        return mx.broadcast_to(mx.log(probs), (*tokens.shape, vocab))
 
     first = mx.log(mx.array([[0.1, 0.1, 0.7, 0.1]]))
     reference = Reference(token_ids=[2, 1, 2], logprobs=[-0.1, -0.2, -0.3])
