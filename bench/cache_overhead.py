@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from bench.common import load_default_model, prose, timed_run  # noqa: E402
+from bench.common import config_overrides, load_default_model, prose, timed_run  # noqa: E402
 from velox_cache import KVCacheBuilder, KVCacheConfig  # noqa: E402
 from velox_cache.policies import POLICIES  # noqa: E402
 
@@ -33,18 +33,18 @@ UNBUDGETED = ("plain+fast", "full")  # rows with no budget and no scoring choice
 DEFAULT_POLICIES = list(UNBUDGETED) + [p for p in POLICIES if p != "full"] + ["pyramidkv:continuous"]
 
 
-def policy_config(policy: str, budget: int, scoring: str) -> KVCacheConfig:
-    """``name`` or ``name:continuous`` (continuous H2O eviction instead of the default timing)."""
+def policy_config(policy: str, budget: int, scoring: str, overrides: dict = None) -> KVCacheConfig:
+    """``name`` or ``name:continuous`` (continuous H2O eviction instead of the default timing), plus ``--set`` fields."""
     method, _, timing = policy.partition(":")
     extra = {"eviction": "continuous", "selection": "cumulative"} if timing == "continuous" else {}
-    return KVCacheConfig(method=method, budget=budget, scoring=scoring, **extra)
+    return KVCacheConfig(method=method, budget=budget, scoring=scoring, **{**extra, **(overrides or {})})
 
 
 def _velox_caches(config: KVCacheConfig):
     return lambda model: KVCacheBuilder.for_model(model, config)
 
 
-def variants(policies, budgets, scorings):
+def variants(policies, budgets, scorings, overrides=None):
     """``(policy, budget, scoring, make_caches(model), context scoring)`` for every row after the baseline."""
     for policy in policies:
         if policy == "plain+fast":
@@ -54,7 +54,7 @@ def variants(policies, budgets, scorings):
         else:
             for budget in budgets:
                 for scoring in scorings:
-                    yield policy, budget, scoring, _velox_caches(policy_config(policy, budget, scoring)), scoring
+                    yield policy, budget, scoring, _velox_caches(policy_config(policy, budget, scoring, overrides)), scoring
 
 
 def best_of(repeats: int, run):
@@ -77,11 +77,14 @@ def main(argv=None):
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--prefill-step", type=int, default=256, help="prefill chunk in tokens")
     parser.add_argument("--repeats", type=int, default=2, help="runs per configuration; the fastest counts")
+    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                        help="extra KVCacheConfig fields for the budgeted policies, e.g. mass_weight=0")
     args = parser.parse_args(argv)
     for policy in args.policies:
         if policy not in UNBUDGETED and policy.partition(":")[0] not in POLICIES:
             parser.error(f"--policies: unknown policy {policy!r}")
 
+    overrides = config_overrides(args.set)
     model, tokenizer = load_default_model()
     timing = {"prefill_step": args.prefill_step, "decode_steps": args.decode_steps}
     print(
@@ -101,7 +104,7 @@ def main(argv=None):
             f"{base_peak / 2**20:.0f} |",
             flush=True,
         )
-        for policy, budget, scoring, make_caches, context in variants(args.policies, args.budgets, args.scorings):
+        for policy, budget, scoring, make_caches, context in variants(args.policies, args.budgets, args.scorings, overrides):
             prefill, decode, peak = best_of(
                 args.repeats, lambda: timed_run(model, prompt, make_caches(model), scoring=context, **timing)
             )

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from bench.common import load_default_model, prose, scoring_context  # noqa: E402
+from bench.common import config_overrides, load_default_model, prose, scoring_context  # noqa: E402
 from bench.needle import make_needle_case  # noqa: E402
 from pipeline.prompting import build_prompt  # noqa: E402
 from pipeline.source import Document  # noqa: E402
@@ -56,15 +56,19 @@ def split_prompt(tokenizer, text: str, instruction: str):
     return build_prompt(spec, tokenizer, Document("bench", {"text": text}, "-"))
 
 
-def variants(budget: int, names: list[str]) -> dict:
-    """Name -> cache config (None: plain mlx-lm ``KVCache`` on mlx-lm's own attention)."""
+def variants(budget: int, names: list[str], overrides: dict = None) -> dict:
+    """Name -> cache config (None: plain mlx-lm ``KVCache`` on mlx-lm's own attention).
+
+    ``overrides`` (``--set``) are extra ``KVCacheConfig`` fields for the compressed variants.
+    """
+    extra = overrides or {}
     table = {
         "plain": None,
         "full": KVCacheConfig(method="full"),  # what the job runner's full variant runs (Velox attention)
-        "prefill_end:pyramidkv": KVCacheConfig(method="pyramidkv", budget=budget),
-        "prefill_end:squeeze": KVCacheConfig(method="squeeze", budget=budget),
-        "streaming:pyramidkv": KVCacheConfig(method="pyramidkv", budget=budget, eviction="streaming"),
-        "streaming:squeeze": KVCacheConfig(method="squeeze", budget=budget, eviction="streaming"),
+        "prefill_end:pyramidkv": KVCacheConfig(method="pyramidkv", budget=budget, **extra),
+        "prefill_end:squeeze": KVCacheConfig(method="squeeze", budget=budget, **extra),
+        "streaming:pyramidkv": KVCacheConfig(method="pyramidkv", budget=budget, eviction="streaming", **extra),
+        "streaming:squeeze": KVCacheConfig(method="squeeze", budget=budget, eviction="streaming", **extra),
     }
     unknown = [n for n in names if n not in table]
     if unknown:
@@ -131,7 +135,7 @@ def run_once(model, prompt, caches, *, scoring, chunk, decode_steps):
 
 def cost(args):
     model, tokenizer = load_default_model()
-    chosen = variants(args.budget, args.variants)
+    chosen = variants(args.budget, args.variants, config_overrides(args.set))
     warm = split_prompt(tokenizer, prose(300, tokenizer), INSTRUCTION)
     run_once(model, warm, [KVCache() for _ in model.layers], scoring="plain", chunk=args.chunk, decode_steps=2)
     results = {}
@@ -174,7 +178,7 @@ def cost(args):
 
 def needle(args):
     model, tokenizer = load_default_model()
-    chosen = variants(args.budget, args.variants)
+    chosen = variants(args.budget, args.variants, config_overrides(args.set))
     started = time.time()
     hits = {}
     for length in args.lengths:
@@ -217,7 +221,8 @@ def schedule(args):
         prompt = split_prompt(tokenizer, prose(args.tokens, tokenizer, start=d * 11), INSTRUCTION)
         budgets = {}
         for eviction in ("prefill_end", "streaming"):
-            config = KVCacheConfig(method="squeeze", budget=args.budget, eviction=eviction, scoring=args.scoring)
+            config = KVCacheConfig(method="squeeze", budget=args.budget, eviction=eviction, scoring=args.scoring,
+                                   **config_overrides(args.set))
             caches = KVCacheBuilder.for_model(model, config)
             with scoring_context(model, args.scoring):
                 prefill_phases(model, caches, prefix=prompt.prefix, document=prompt.document,
@@ -245,6 +250,8 @@ def main(argv=None):
         sub.add_argument("--budget", type=int, default=budget, help="average tokens kept per layer")
         sub.add_argument("--chunk", type=int, default=256, help="prefill chunk (prefill_step_size)")
         sub.add_argument("--scoring", choices=["observed", "key_proxy"], default="observed")
+        sub.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                         help="extra KVCacheConfig fields for the compressed variants, e.g. mass_weight=0")
 
     sub = commands.add_parser("cost", help="prefill time and peak memory against prompt length")
     common(sub)

@@ -98,3 +98,16 @@ def test_the_recent_window_is_tokens_or_a_share_of_the_budget(recent, budget, ex
 def test_bad_recent_windows_name_the_field(value):
     with pytest.raises(ConfigError, match="^recent"):
         KVCacheConfig(recent=value)
+
+
+def test_mass_weight_defaults_per_policy_and_an_explicit_value_wins():
+    from velox_cache import KVCacheFactory
+
+    def weight(**fields):
+        return KVCacheFactory.create(KVCacheConfig(budget=64, **fields)).mass_weight
+
+    assert weight(method="squeeze") == 0.3, "squeeze blends at prefill end (measured: README, Fidelity)"
+    assert weight(method="squeeze", eviction="streaming") == 0.0, "not under streaming (needles)"
+    assert weight(method="pyramidkv") == weight(method="snapkv") == 0.0, "the window alone keeps needles"
+    assert weight(method="squeeze", mass_weight=0.0) == 0.0
+    assert weight(method="pyramidkv", mass_weight=0.5) == 0.5

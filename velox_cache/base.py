@@ -61,6 +61,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
     default_eviction = "continuous"
     signal = CumulativeMass  # a class from velox_cache.signals
     default_selection = "cumulative"  # or "window": pooled scores of the prompt's last queries
+    default_mass_weight = 0.0  # share of cumulative mass blended into a window's or probe's ranking
 
     def __init__(self, config: KVCacheConfig, layer_id: Optional[int] = None):
         if not isinstance(config, KVCacheConfig):
@@ -113,6 +114,11 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         if self.config.selection:
             return self.config.selection
         return "window" if self.eviction == "streaming" else self.default_selection
+
+    @property
+    def mass_weight(self) -> float:
+        """Share of cumulative mass blended into a window's or probe's ranking (``config.mass_weight``)."""
+        return self.default_mass_weight if self.config.mass_weight is None else self.config.mass_weight
 
     @property
     def score_signal(self) -> str:
@@ -477,7 +483,7 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         if self._probe is not None:
             return n_queries if self.timing.uses_probes else 0
         rows = self.signal.rows(n_queries)
-        if rows and self._prefilling and self.timing.selects_by_window and not self.config.mass_weight:
+        if rows and self._prefilling and self.timing.selects_by_window and not self.mass_weight:
             return 0  # the window (or a probe) decides; prefill chunks need no scores
         return rows
 
@@ -591,12 +597,12 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
         self.slots.set_scores(self._blend_with_mass(scores))
 
     def _blend_with_mass(self, ranking: mx.array) -> mx.array:
-        """``ranking`` ``[B, H, held]`` blended with the held scores' cumulative mass (``config.mass_weight``).
+        """``ranking`` ``[B, H, held]`` blended with the held scores' cumulative mass (``mass_weight``).
 
         Both are normalised per head first; the blend keeps ``ranking``'s total,
         so that decoding's attention mass adds to it on the same scale.
         """
-        weight = self.config.mass_weight
+        weight = self.mass_weight
         if not weight:
             return ranking
         mass = self.slots.held_scores()

@@ -64,7 +64,9 @@ def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> N
         raise ConfigError(f"{name}: must be at least {minimum}, got {value}")
 
 
-def _check_number(name: str, value: Any, low: float, high: float | None = None) -> None:
+def _check_number(name: str, value: Any, low: float, high: float | None = None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
     if value < low or (high is not None and value > high):
@@ -116,7 +118,8 @@ class KVCacheConfig:
             [0, 1]: 0 = that ranking alone (SnapKV), 1 = cumulative mass alone.
             Each signal is normalised per head before blending. Used where a
             window selects at prefill end (``prefill_end``, ``streaming``) and
-            at every probe selection of ``streaming``.
+            at every probe selection of ``streaming``. ``None`` takes the
+            policy's default (squeeze at ``prefill_end`` 0.3, otherwise 0).
     """
 
     method: str = "pyramidkv"
@@ -132,7 +135,7 @@ class KVCacheConfig:
     recent: Union[int, str, None] = None
     window: int = 32
     kernel: int = 31
-    mass_weight: float = 0.0
+    mass_weight: Optional[float] = None
 
     def __post_init__(self):
         _check_choice("method", self.method, METHODS)
@@ -150,7 +153,7 @@ class KVCacheConfig:
             _check_int("recent", self.recent, 0, optional=True)
         _check_int("window", self.window, 1)
         _check_int("kernel", self.kernel, 1)
-        _check_number("mass_weight", self.mass_weight, 0.0, 1.0)
+        _check_number("mass_weight", self.mass_weight, 0.0, 1.0, optional=True)
         if self.kernel % 2 == 0:
             raise ConfigError(f"kernel: must be odd, got {self.kernel}")
         if self.eviction == "streaming":
