@@ -557,6 +557,10 @@ class EvictingKVCache(CacheAccounting, _BaseCache):
                 self._probe_scores = self.selector.probe_scores(key_mass, self._probe.stored)
             return
         self.signal.fold(self.slots, key_mass)
+        if self._prefilling:
+            # Evaluate now: otherwise every layer's attention blocks stay alive until the
+            # chunk is evaluated, only to be summed into these scores.
+            mx.eval(self.slots.scores)
 
     def _fold_heads(self, mass: mx.array) -> mx.array:
         """Sum per-head mass ``[B, H', ...]`` onto this cache's heads when attention ran on more (MLA, repeats)."""
