@@ -34,7 +34,10 @@ DEFAULT_POLICIES = list(UNBUDGETED) + [p for p in POLICIES if p != "full"] + ["p
 
 
 def policy_config(policy: str, budget: int, scoring: str, overrides: dict = None) -> KVCacheConfig:
-    """``name`` or ``name:continuous`` (continuous H2O eviction instead of the default timing), plus ``--set`` fields."""
+    """``name`` or ``name:continuous`` (continuous H2O eviction instead of the default timing).
+
+    ``overrides``: extra ``KVCacheConfig`` fields (``--set``).
+    """
     method, _, timing = policy.partition(":")
     extra = {"eviction": "continuous", "selection": "cumulative"} if timing == "continuous" else {}
     return KVCacheConfig(method=method, budget=budget, scoring=scoring, **{**extra, **(overrides or {})})
@@ -54,7 +57,8 @@ def variants(policies, budgets, scorings, overrides=None):
         else:
             for budget in budgets:
                 for scoring in scorings:
-                    yield policy, budget, scoring, _velox_caches(policy_config(policy, budget, scoring, overrides)), scoring
+                    config = policy_config(policy, budget, scoring, overrides)
+                    yield policy, budget, scoring, _velox_caches(config), scoring
 
 
 def best_of(repeats: int, run):
@@ -104,7 +108,8 @@ def main(argv=None):
             f"{base_peak / 2**20:.0f} |",
             flush=True,
         )
-        for policy, budget, scoring, make_caches, context in variants(args.policies, args.budgets, args.scorings, overrides):
+        rows = variants(args.policies, args.budgets, args.scorings, overrides)
+        for policy, budget, scoring, make_caches, context in rows:
             prefill, decode, peak = best_of(
                 args.repeats, lambda: timed_run(model, prompt, make_caches(model), scoring=context, **timing)
             )

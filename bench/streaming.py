@@ -212,6 +212,7 @@ def needle(args):
 
 
 def schedule(args):
+    overrides = config_overrides(args.set)
     model, tokenizer = load_default_model()
     print(f"Squeeze schedules, budget {args.budget}, chunks of {args.chunk}: streaming (first chunk) vs "
           "prefill end (whole prompt)\n")
@@ -222,7 +223,7 @@ def schedule(args):
         budgets = {}
         for eviction in ("prefill_end", "streaming"):
             config = KVCacheConfig(method="squeeze", budget=args.budget, eviction=eviction, scoring=args.scoring,
-                                   **config_overrides(args.set))
+                                   **overrides)
             caches = KVCacheBuilder.for_model(model, config)
             with scoring_context(model, args.scoring):
                 prefill_phases(model, caches, prefix=prompt.prefix, document=prompt.document,

@@ -96,3 +96,27 @@ def test_mass_weight_blends_cumulative_mass_into_the_probes_ranking():
     assert 80 in probe_only and 30 not in probe_only, "the probe alone ranks by its own queries"
     assert {30, 80} <= blended, "a blend keeps what either signal ranks first"
     assert 30 in mass_only and 80 not in mass_only, "mass alone keeps what the document's queries looked at"
+
+
+def _kept_when_everything_looks_at_token_30(recent) -> set:
+    """Positions a SnapKV layer (budget 8, two sinks) keeps when every query attends to token 30."""
+    dim, length = 16, 120
+    mx.random.seed(4)
+    keys = mx.random.normal((1, 1, length, dim)) * 0.05
+    direction = mx.zeros((dim,))
+    direction[0] = 4.0
+    keys[0, 0, 30] = direction
+    config = KVCacheConfig(method="snapkv", budget=8, n_sink=2, recent=recent, window=4, kernel=1, scoring="observed")
+    cache = KVCacheFactory.create(config)
+    out_keys, out_values = cache.update_and_fetch(keys, keys)
+    cache.observe_attention(mx.broadcast_to(direction, (1, 1, length, dim)), out_keys, out_values, dim**-0.5, "causal")
+    cache.begin_phase("decode")  # prefill ends: selection runs here
+    return set(cache.positions[0, 0, : cache.tokens_kept].tolist())
+
+
+def test_the_recent_window_is_kept_whatever_the_ranking():
+    last_four = {116, 117, 118, 119}
+    for recent in (4, "50%"):  # 50% of a budget of 8
+        kept = _kept_when_everything_looks_at_token_30(recent)
+        assert last_four <= kept and {0, 1, 30} <= kept and len(kept) == 8, recent
+    assert not last_four <= _kept_when_everything_looks_at_token_30(0), "unprotected, they compete on attention"

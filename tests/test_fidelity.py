@@ -85,7 +85,6 @@ def _forced_from_a_second_prefill(model, prompt, config, reference):
     return sum(p == t for p, t in zip(predictions, reference.token_ids)) / len(reference.token_ids)
 
 
-
 @pytest.mark.parametrize("method", ["pyramidkv", "squeeze"])
 def test_agreement_equals_teacher_forcing_after_a_second_prefill(tiny_model, method):
     model, tokenizer = tiny_model

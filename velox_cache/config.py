@@ -186,12 +186,12 @@ class KVCacheConfig:
     @property
     def recent_window(self) -> int:
         """Most recent tokens protected from eviction (the budget must be resolved to tokens)."""
-        fraction = parse_budget_fraction(self.recent, "recent")
-        if self.recent is not None and fraction is None:
+        if isinstance(self.recent, int):
             return self.recent
         if self.budget_fraction is not None:
             raise ConfigError(f"budget: {self.budget!r} must be resolved to tokens first (resolved_for)")
-        return self.budget // 8 if fraction is None else int(fraction * self.budget)
+        share = 0.125 if self.recent is None else parse_budget_fraction(self.recent, "recent")
+        return int(share * self.budget)  # the default: budget // 8
 
     @classmethod
     def from_dict(cls, values: dict, *, where: str = "cache") -> "KVCacheConfig":
