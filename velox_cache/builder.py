@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .budgets import pyramid_budgets
 from .config import ConfigError, KVCacheConfig
-from .coordinator import SqueezeCoordinator
 from .masks import SharedMaskRecord
 from .model_caches import (
     UnsupportedModelError,
@@ -16,7 +14,7 @@ from .model_caches import (
     model_caches,
     refusal_reason,
 )
-from .policies import POLICIES, SqueezeAttentionCache
+from .policies import POLICIES
 
 
 class KVCacheFactory:
@@ -49,6 +47,8 @@ class KVCacheBuilder:
         in order, squeeze layers share one fresh ``SqueezeCoordinator``.
         Each Velox cache's ``layer_id`` is its index in the returned list.
         Build a new stack per document: caches hold one sequence's state.
+        The policy's allocator gives each layer its budget (PyramidKV's
+        taper) and the object its layers share (squeeze's coordinator).
         ``prompt_tokens`` (the prompt's length) resolves a percentage budget
         such as ``"25%"``.
 
@@ -65,29 +65,18 @@ class KVCacheBuilder:
             raise UnsupportedModelError(
                 f"{architecture_name(model)} cannot be compressed by Velox: {refusal_reason(caches)}"
             )
-        budgets = _layer_budgets(config, len(slots))
-        coordinator = None
-        if config.method == "squeeze":
-            coordinator = SqueezeCoordinator(
-                len(slots), config.budget, config.n_sink, config.strength, layer_ids=[s.index for s in slots]
-            )
+        policy = POLICIES[config.method]
+        budgets = policy.allocator.layer_budgets(config, len(slots))
+        coordinator = policy.allocator.shared_coordinator(config, [s.index for s in slots]) if slots else None
+        shared = {} if coordinator is None else {"coordinator": coordinator}
         mask_record = SharedMaskRecord()
         for slot, budget in zip(slots, budgets):
             layer_config = dataclasses.replace(config, resolved_budget=budget) if budget else config
-            if coordinator is not None:
-                cache = SqueezeAttentionCache(layer_config, layer_id=slot.index, coordinator=coordinator)
-            else:
-                cache = POLICIES[config.method](layer_config, layer_id=slot.index)
+            cache = policy(layer_config, layer_id=slot.index, **shared)
             cache.attention_scale = attention_scale(model, slot.index)
             cache.shared_mask = mask_record
             _put(caches, slot, cache)
         return caches
-
-
-def _layer_budgets(config: KVCacheConfig, n_layers: int) -> list:
-    if config.method == "pyramidkv" and n_layers:
-        return pyramid_budgets(n_layers, config.budget, config.n_sink, config.beta)
-    return [None] * n_layers
 
 
 def _put(caches: list, slot, cache) -> None:

@@ -8,7 +8,6 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
-METHODS = ("full", "h2o", "tova", "snapkv", "streaming", "pyramidkv", "squeeze")
 SCORINGS = ("observed", "key_proxy")
 EVICTIONS = ("continuous", "prefill_end", "streaming")
 SELECTIONS = ("cumulative", "window")
@@ -33,6 +32,19 @@ ALIASES = {
     "streaming_budget": "budget",
     "streaming_n_sink": "n_sink",
 }
+
+
+def known_methods() -> tuple:
+    """The policy names, from the registry ``velox_cache.policies.POLICIES``."""
+    from .policies import POLICIES
+
+    return tuple(POLICIES)
+
+
+def __getattr__(name: str):
+    if name == "METHODS":  # derived from the registry, which imports this module
+        return known_methods()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class ConfigError(ValueError):
@@ -138,7 +150,7 @@ class KVCacheConfig:
     mass_weight: Optional[float] = None
 
     def __post_init__(self):
-        _check_choice("method", self.method, METHODS)
+        _check_choice("method", self.method, known_methods())
         _check_int("n_sink", self.n_sink, 0)
         if parse_budget_fraction(self.budget) is None:
             _check_int("budget", self.budget, self.n_sink + 1)

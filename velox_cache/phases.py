@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Iterable, Optional
 
 
 class Phase(str, enum.Enum):
@@ -49,6 +50,56 @@ class Phase(str, enum.Enum):
         except ValueError:
             names = ", ".join(p.value for p in cls)
             raise ValueError(f"phase: {value!r} is not one of {names}") from None
+
+
+@dataclass(frozen=True)
+class ProbeMark:
+    """What a probe must give back: one layer's slots, buffer size, offset and tokens seen before it ran."""
+
+    stored: int
+    capacity: int
+    offset: int
+    tokens_seen: int
+
+    @classmethod
+    def of(cls, slots) -> "ProbeMark":
+        """The mark of ``slots`` (a ``velox_cache.slots.TokenSlots``) as they are now."""
+        return cls(slots.stored, slots.capacity, slots.offset, slots.tokens_seen)
+
+    def restore(self, slots) -> None:
+        """Drop everything appended since the mark, exactly (spare slots zeroed as they were)."""
+        if not slots.empty:
+            slots.truncate(self.stored, self.capacity)
+        slots.offset, slots.tokens_seen = self.offset, self.tokens_seen
+
+
+class LayerPhase:
+    """Where one layer's sequence is: prefilling or decoding, the phase told last, and a running probe."""
+
+    def __init__(self):
+        self.prefilling = True
+        self.told: Optional[Phase] = None  # None: never told (the end of prefill is inferred)
+        self.probe: Optional[ProbeMark] = None
+        self.probe_scores = None  # [B, H, held before the probe]: the probe's pooled ranking
+
+    @property
+    def current(self) -> Optional[Phase]:
+        """The phase told last (``PROBE`` while one runs); None when never told."""
+        return Phase.PROBE if self.probe is not None else self.told
+
+    @property
+    def in_probe(self) -> bool:
+        return self.probe is not None
+
+    @property
+    def in_prefill_chunk(self) -> bool:
+        """A prefill call that is not a probe."""
+        return self.prefilling and self.probe is None
+
+    @property
+    def in_document(self) -> bool:
+        """A document chunk (or, never told, any prefill call)."""
+        return self.probe is None and self.told in (None, Phase.DOCUMENT)
 
 
 def leaves(caches: Iterable) -> list:

@@ -10,7 +10,10 @@ split into several tokens (six digits) survives whole.
 Where the remembered queries and the held keys cannot reproduce the window's
 attention (keys derived from the stored ones, as in multi-head latent
 attention; an additive position mask; attention sinks), the window's
-attention is kept as it was computed instead (``remember_mass``).
+attention is kept as it was computed instead (``remember_attention``).
+
+``blend_with_mass`` mixes a window's or probe's ranking with the held tokens'
+cumulative attention mass (``KVCacheConfig.mass_weight``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Optional
 import mlx.core as mx
 
 from . import attention
+from .signals import fold_heads
 
 
 def pooled_mass(probs: mx.array, kernel: int) -> mx.array:
@@ -61,6 +65,15 @@ class WindowSelector:
             self.queries = mx.concatenate([self.queries, queries], axis=2)[:, :, -window:]
             self.positions = mx.concatenate([self.positions, positions])[-window:]
 
+    def remember_attention(self, queries, keys, scale, mask, sinks, heads: int) -> None:
+        """Keep the attention the call's last ``window`` queries paid each key, as computed, on ``heads`` heads."""
+        rows = min(self.window, queries.shape[2])
+        row_mask = mask
+        if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] > 1:
+            row_mask = mask[..., -rows:, :]
+        probs = attention.attention_probs(queries[:, :, -rows:], keys, scale, row_mask, sinks)  # [B, H', R, rows, N]
+        self.remember_mass(fold_heads(probs.sum(axis=2), heads))
+
     def remember_mass(self, row_mass: mx.array) -> None:
         """Add a call's last rows' attention ``[B, H, rows, N]`` (N: the keys it saw); keep the last ``window``.
 
@@ -99,6 +112,23 @@ class WindowSelector:
     def probe_scores(self, key_mass: mx.array, n_keys: int) -> mx.array:
         """The probe's attention mass ``[B, H, N]`` on the first ``n_keys`` keys (the non-probe ones), pooled."""
         return attention.max_pool(key_mass[..., :n_keys], self.kernel)
+
+
+def blend_with_mass(ranking: mx.array, mass: mx.array, weight: float) -> mx.array:
+    """``ranking`` ``[B, H, held]`` blended with the held tokens' cumulative ``mass`` by ``weight``.
+
+    Both are normalised per head first; the blend keeps ``ranking``'s total,
+    so that decoding's attention mass adds to it on the same scale.
+    """
+    if not weight:
+        return ranking
+    total = ranking.sum(axis=-1, keepdims=True)
+    return total * ((1 - weight) * _per_head_share(ranking) + weight * _per_head_share(mass))
+
+
+def _per_head_share(scores: mx.array) -> mx.array:
+    """``scores`` ``[B, H, N]`` divided by each head's total (a head with none stays zero)."""
+    return scores / mx.maximum(scores.sum(axis=-1, keepdims=True), 1e-30)
 
 
 def _pad_keys(mass: mx.array, n_keys: int) -> mx.array:

@@ -3,13 +3,49 @@
 One small class per signal. Each says how many of a call's last query rows it
 needs (``rows``), how it folds their attention mass into the slots' scores
 (``fold``) and what the eviction ranking is (``ranking``).
+
+Two helpers feed them: ``fold_heads`` sums attention that ran on more heads
+than a cache holds (multi-head latent attention, repeated heads) onto the
+cache's heads, and ``key_proxy_attention`` scores without queries, each new
+key standing in for its query (the ``key_proxy`` scoring).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import mlx.core as mx
 
+from .attend import AttentionResult, attend_and_score
 from .slots import TokenSlots
+
+
+def fold_heads(mass: mx.array, heads: int) -> mx.array:
+    """Sum per-head mass ``[B, H', ...]`` onto ``heads`` heads when attention ran on more (MLA, repeats)."""
+    if mass.shape[1] == heads:
+        return mass
+    return mass.reshape(mass.shape[0], heads, -1, *mass.shape[2:]).sum(axis=2)
+
+
+def key_proxy_attention(
+    new_keys: mx.array, held_keys: mx.array, *, scale: Optional[float], score_rows: int, entropy_rows: int
+) -> Optional[AttentionResult]:
+    """The attention of a call's last new keys, standing in for their queries, on ``held_keys``.
+
+    ``scale`` defaults to ``D ** -0.5``; returns None when neither scores nor entropy are asked for.
+    """
+    rows = max(score_rows, entropy_rows)
+    if not rows:
+        return None
+    return attend_and_score(
+        new_keys[:, :, -rows:],
+        held_keys,
+        None,
+        scale=scale if scale is not None else new_keys.shape[-1] ** -0.5,
+        mask="causal" if rows > 1 else None,
+        score_rows=score_rows,
+        entropy_rows=entropy_rows,
+    )
 
 
 class CumulativeMass:
@@ -65,5 +101,3 @@ class Recency:
     def ranking(slots: TokenSlots) -> mx.array:
         return slots.held_positions().astype(mx.float32)
 
-
-SIGNALS = {signal.name: signal for signal in (CumulativeMass, CurrentAttention, Recency)}

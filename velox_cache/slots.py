@@ -1,4 +1,4 @@
-"""``TokenSlots``: the arrays one layer holds, and the few ways they change.
+"""``TokenSlots``: the arrays one layer holds, where its sequence stands, and how they change.
 
 Buffers: ``keys``/``values`` ``[B, H, T, D]``, ``scores`` ``[B, H, T]`` (float32,
 higher = keep) and ``positions`` ``[B, H, T]``: the position each key's RoPE
@@ -9,6 +9,17 @@ Every change is vectorised over batch and heads: ``append`` (new tokens after
 the held ones), ``keep`` (one gather of the chosen slots), ``replace`` (one
 scatter into one slot per head), ``truncate`` (drop the newest slots) and
 ``rerotate`` (move keys to new positions; RoPE rotations compose).
+
+Eviction mechanics live here too: the protected ranking (sinks and the recent
+window rank first), ``evict_to`` (one top-k per head), ``replace_lowest`` (one
+decode token into each head's lowest-ranked slot) and ``compact`` (re-rotate
+to contiguous positions).
+
+Per-sequence counts: ``stored`` (valid slots), ``offset`` (the position the
+next token gets) and ``tokens_seen`` (tokens passed in, probes excepted). They
+are plain ints for the one sequence a stack holds; they are kept together
+here, beside the buffers they describe, so that a batch of sequences of
+unequal lengths can later hold one of each per row.
 """
 
 from __future__ import annotations
@@ -19,14 +30,24 @@ import mlx.core as mx
 
 
 class TokenSlots:
-    """Keys, values, scores and positions of the tokens one cache layer holds."""
+    """Keys, values, scores and positions of the tokens one cache layer holds.
 
-    def __init__(self):
+    ``signal`` (a class from ``velox_cache.signals``) ranks held tokens for
+    eviction; the first ``n_sink`` positions and the ``recent`` latest ones
+    (at most ``budget - n_sink - 1``) are never evicted.
+    """
+
+    def __init__(self, signal=None, n_sink: int = 0, recent: int = 0):
+        self.signal = signal
+        self.n_sink = n_sink
+        self.recent = recent
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
         self.scores: Optional[mx.array] = None
         self.positions: Optional[mx.array] = None
         self.stored = 0
+        self.offset = 0
+        self.tokens_seen = 0  # per head, probes excepted
 
     @property
     def empty(self) -> bool:
@@ -143,6 +164,42 @@ class TokenSlots:
         self.values = values
         self.scores = self.held_scores()
         self.positions = new_positions.astype(mx.int32)
+
+
+    # ----- eviction ----------------------------------------------------------------------
+
+    def protected_ranking(self, budget: int) -> mx.array:
+        """Eviction ranking over the held slots ``[B, H, stored]``; protected tokens rank +inf."""
+        positions = self.held_positions()
+        scores = self.signal.ranking(self)
+        recent = min(self.recent, budget - self.n_sink - 1)
+        protected = positions < self.n_sink
+        if recent > 0:
+            protected = protected | (positions >= self.offset - recent)
+        return mx.where(protected, mx.inf, scores)
+
+    def evict_to(self, budget: int) -> Optional[mx.array]:
+        """Keep the ``budget`` best-ranked held tokens of every head, in slot order.
+
+        Returns the kept slot indices ``[B, H, budget]`` (None when nothing was evicted).
+        """
+        if self.stored <= budget:
+            return None
+        ranking = self.protected_ranking(budget)
+        keep = mx.sort(mx.argpartition(-ranking, kth=budget - 1, axis=-1)[..., :budget], axis=-1)  # [B, H, budget]
+        self.keep(keep)
+        return keep
+
+    def replace_lowest(self, keys: mx.array, values: mx.array, budget: int) -> None:
+        """Write one new token into each head's lowest-ranked slot (the buffer at ``budget``)."""
+        victim = mx.argmin(self.protected_ranking(budget), axis=-1, keepdims=True)  # [B, H, 1]
+        self.replace(victim, keys, values, self.offset)
+
+    def compact(self, shift) -> None:
+        """Re-rotate the held keys to positions ``0 .. stored - 1``, in position order; ``offset`` becomes ``stored``."""
+        rank = mx.argsort(mx.argsort(self.held_positions(), axis=-1), axis=-1).astype(mx.int32)  # [B, H, held]
+        self.rerotate(shift, rank)
+        self.offset = self.stored
 
 
 def _concat(kept: mx.array, new: mx.array, spare: int) -> mx.array:

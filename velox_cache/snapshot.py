@@ -16,8 +16,14 @@ import copy
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
+from .allocators import UniformBudget
+from .phases import LayerPhase
 from .selection import WindowSelector
 from .slots import TokenSlots
+from .timing import Continuous
+
+# A cache and the per-sequence parts it owns: each is copied, with the arrays it holds.
+PER_SEQUENCE = (_BaseCache, TokenSlots, WindowSelector, LayerPhase, Continuous, UniformBudget)
 
 
 def snapshot(caches: list) -> list:
@@ -40,7 +46,7 @@ def _copy_cache(cache):
 def _copy_value(value):
     if isinstance(value, mx.array):
         return mx.array(value)
-    if isinstance(value, (_BaseCache, TokenSlots, WindowSelector)):  # a cache and the per-sequence parts it owns
+    if isinstance(value, PER_SEQUENCE):
         return _copy_cache(value)
     if isinstance(value, list):
         return [_copy_value(item) for item in value]

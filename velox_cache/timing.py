@@ -13,63 +13,105 @@
   rank what is held, as under ``prefill_end``.
 
 Every timing evicts during decoding; the policy's signal ranks there.
+
+A timing is told the events of one layer's sequence (``on_chunk_end``,
+``on_probe_end``, ``on_prefill_end``) and answers with what is due; the cache
+carries it out. A timing never reaches into the cache.
 """
 
 from __future__ import annotations
 
 
 class Continuous:
+    """Evicts to budget after every call."""
+
     name = "continuous"
-    evicts_during_prefill = True
-    keeps_prefill = False  # grow buffers in steps because nothing is evicted until prefill ends
-    uses_probes = False
+    uses_probes = False  # a probe's attention ranks the held tokens
 
     def __init__(self, selection: str):
         self.selection = selection
 
     @property
-    def selects_by_window(self) -> bool:
-        """Whether the prompt's last queries rank held tokens when prefill ends."""
+    def ranks_by_window(self) -> bool:
+        """Whether the prompt's last queries rank held tokens (remembered while prefilling)."""
         return False
 
-    def before_chunk(self, cache) -> None:
-        """Called before a prefill call (not a probe) appends its tokens."""
+    def evicts(self, prefilling: bool) -> bool:
+        """Whether a call (not a probe) evicts to budget once its attention is scored."""
+        return True
 
-    def after_chunk(self, cache) -> None:
-        """Called after a prefill call (not a probe) appended its tokens."""
+    def grows_in_steps(self, prefilling: bool) -> bool:
+        """Whether buffers grow in steps, like mlx-lm's ``KVCache``: nothing is evicted soon."""
+        return False
+
+    def on_chunk_end(self) -> None:
+        """A document chunk was appended."""
+
+    def selection_due(self) -> bool:
+        """Whether the last chunk's window selection is due now (before the next chunk, or a compaction)."""
+        return False
+
+    def on_probe_end(self) -> bool:
+        """A probe's attention ranked the held tokens; True when that ranking evicts to budget now."""
+        return False
+
+    def on_prefill_end(self) -> bool:
+        """Decoding starts; True when the prompt's last queries rank the held tokens before the final eviction."""
+        return self.ranks_by_window
 
 
 class PrefillEnd(Continuous):
+    """Keeps the whole prompt and compresses once, when decoding starts."""
+
     name = "prefill_end"
-    evicts_during_prefill = False
-    keeps_prefill = True
 
     @property
-    def selects_by_window(self) -> bool:
+    def ranks_by_window(self) -> bool:
         return self.selection == "window"
+
+    def evicts(self, prefilling: bool) -> bool:
+        return not prefilling
+
+    def grows_in_steps(self, prefilling: bool) -> bool:
+        return prefilling
 
 
 class Streaming(Continuous):
+    """Compresses after every document chunk, by the probe or the chunk's last queries."""
+
     name = "streaming"
-    evicts_during_prefill = False
     uses_probes = True
 
+    def __init__(self, selection: str):
+        super().__init__(selection)
+        self.pending = False  # the last chunk still awaits its selection
+
     @property
-    def selects_by_window(self) -> bool:
+    def ranks_by_window(self) -> bool:
         return True
 
-    def before_chunk(self, cache) -> None:
-        if cache.in_document_phase:
-            cache.select_pending()
+    def evicts(self, prefilling: bool) -> bool:
+        return not prefilling
 
-    def after_chunk(self, cache) -> None:
-        if cache.in_document_phase:
-            cache.mark_pending()
+    def on_chunk_end(self) -> None:
+        self.pending = True
+
+    def selection_due(self) -> bool:
+        due, self.pending = self.pending, False
+        return due
+
+    def on_probe_end(self) -> bool:
+        self.pending = False
+        return True
+
+    def on_prefill_end(self) -> bool:
+        self.pending = False
+        return True
 
 
 TIMINGS = {timing.name: timing for timing in (Continuous, PrefillEnd, Streaming)}
 
 
 def make_timing(eviction: str, selection: str):
-    """The timing object for a config's ``eviction`` and ``selection``."""
+    """A fresh timing object for a config's ``eviction`` and ``selection`` (one per layer and sequence)."""
     return TIMINGS[eviction](selection)

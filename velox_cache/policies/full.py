@@ -7,6 +7,7 @@ from typing import Optional
 from mlx_lm.models.cache import KVCache
 
 from ..accounting import CacheAccounting
+from ..allocators import UniformBudget
 from ..config import KVCacheConfig
 
 
@@ -14,6 +15,7 @@ class FullKVCache(CacheAccounting, KVCache):
     """Keeps every token; logits are exactly those of mlx-lm's ``KVCache``."""
 
     method = "full"
+    allocator = UniformBudget  # never consulted: the full cache keeps everything
 
     def __init__(self, config: Optional[KVCacheConfig] = None, layer_id: Optional[int] = None):
         super().__init__()

@@ -1,5 +1,6 @@
 """H2O: cumulative attention mass (heavy hitters) plus a protected recent window."""
 
+from ..allocators import UniformBudget
 from ..base import EvictingKVCache
 from ..signals import CumulativeMass
 
@@ -8,4 +9,6 @@ class H2OCache(EvictingKVCache):
     """Evicts the tokens with the least cumulative attention mass, continuously, at a uniform budget."""
 
     method = "h2o"
+    allocator = UniformBudget
+    default_eviction = "continuous"
     signal = CumulativeMass

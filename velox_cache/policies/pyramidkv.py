@@ -1,5 +1,6 @@
 """PyramidKV: per-layer budgets that taper with depth, fixed at build time."""
 
+from ..allocators import PyramidBudget
 from ..base import EvictingKVCache
 from ..signals import CumulativeMass
 
@@ -8,8 +9,9 @@ class PyramidKVCache(EvictingKVCache):
     """One layer of PyramidKV.
 
     Its budget is ``config.resolved_budget``, which ``KVCacheBuilder.for_model``
-    fills in from ``pyramid_budgets``; without it (``KVCacheFactory.create``)
-    the layer keeps the average ``budget`` like a uniform layer.
+    fills in from ``pyramid_budgets`` (the ``PyramidBudget`` allocator);
+    without it (``KVCacheFactory.create``) the layer keeps the average
+    ``budget`` like a uniform layer.
 
     As in the PyramidKV paper, the layer compresses once when prefill ends,
     keeping what the prompt's last ``window`` queries attend to (max-pooled
@@ -20,6 +22,7 @@ class PyramidKVCache(EvictingKVCache):
     """
 
     method = "pyramidkv"
+    allocator = PyramidBudget
     default_eviction = "prefill_end"
     default_selection = "window"
     signal = CumulativeMass

@@ -1,5 +1,6 @@
 """SnapKV: one-shot compression at the end of prefill from the prompt's last queries."""
 
+from ..allocators import UniformBudget
 from ..base import EvictingKVCache
 from ..signals import CumulativeMass
 
@@ -14,6 +15,7 @@ class SnapKVCache(EvictingKVCache):
     """
 
     method = "snapkv"
+    allocator = UniformBudget
     default_eviction = "prefill_end"
     signal = CumulativeMass
     default_selection = "window"

@@ -1,5 +1,6 @@
 """StreamingLLM: attention sinks plus the most recent tokens."""
 
+from ..allocators import UniformBudget
 from ..base import EvictingKVCache
 from ..signals import Recency
 
@@ -8,4 +9,6 @@ class StreamingLLMCache(EvictingKVCache):
     """Keeps the ``n_sink`` first tokens and the most recent ones; no attention scores needed."""
 
     method = "streaming"
+    allocator = UniformBudget
+    default_eviction = "continuous"
     signal = Recency

@@ -1,5 +1,6 @@
 """TOVA: rank tokens by the current step's attention only (memoryless)."""
 
+from ..allocators import UniformBudget
 from ..base import EvictingKVCache
 from ..signals import CurrentAttention
 
@@ -8,4 +9,6 @@ class TOVACache(EvictingKVCache):
     """Evicts the token the latest query attends to least, continuously."""
 
     method = "tova"
+    allocator = UniformBudget
+    default_eviction = "continuous"
     signal = CurrentAttention
