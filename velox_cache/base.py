@@ -31,6 +31,7 @@ from mlx_lm.models.cache import _BaseCache
 
 from .accounting import CacheAccounting
 from .allocators import UniformBudget
+from .choices import PolicyChoices
 from .config import ConfigError, KVCacheConfig
 from .masks import SharedMaskRecord
 from .phases import LayerPhase, Phase, ProbeMark
@@ -39,9 +40,6 @@ from .selection import WindowSelector, blend_with_mass
 from .signals import CumulativeMass
 from .slots import TokenSlots
 from .timing import make_timing
-
-GROWTH_STEP = 256  # buffer growth granularity, as mlx-lm's KVCache
-
 
 class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
     """One attention layer's KV cache that keeps at most ``layer_budget`` tokens per head.
@@ -67,6 +65,8 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
             )
         self.config = config
         self.layer_id = layer_id
+        choices = PolicyChoices.resolve(type(self), config)
+        self.eviction, self.prefill_selection, self.mass_weight = choices.eviction, choices.selection, choices.mass_weight
         self.allocation = self.allocator(config, layer_id, coordinator)
         self.slots = TokenSlots(self.signal, config.n_sink, config.recent_window)
         self.timing = make_timing(self.eviction, self.prefill_selection)
@@ -75,39 +75,15 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
         self.shared_mask = SharedMaskRecord()  # shared by a stack from ``KVCacheBuilder.for_model``
         LayerScoring.__init__(self)
 
-    # ----- the three choices --------------------------------------------------------------
-
     @property
     def layer_budget(self) -> int:
         """This layer's budget in force (resolved per layer by ``KVCacheBuilder.for_model``)."""
         return self.allocation.budget()
 
-    @property
-    def eviction(self) -> str:
-        """``continuous``, ``prefill_end`` or ``streaming``."""
-        return self.config.eviction or self.default_eviction
-
-    @property
-    def prefill_selection(self) -> str:
-        """What ranks tokens at the end of prefill: ``cumulative`` or ``window``."""
-        if self.config.selection:
-            return self.config.selection
-        return "window" if self.eviction == "streaming" else self.default_selection
-
     @classmethod
     def default_mass_weight(cls, eviction: str) -> float:
         """The policy's share of cumulative mass in a window's or probe's ranking under ``eviction``."""
         return 0.0
-
-    @property
-    def mass_weight(self) -> float:
-        """Share of cumulative mass blended into a window's or probe's ranking (``config.mass_weight``)."""
-        return self.default_mass_weight(self.eviction) if self.config.mass_weight is None else self.config.mass_weight
-
-    @property
-    def score_signal(self) -> str:
-        """The ranking signal's name: ``cumulative`` (H2O), ``current`` (TOVA) or ``recency``."""
-        return self.signal.name
 
     @property
     def uses_probes(self) -> bool:
@@ -136,19 +112,9 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
         if progress.in_probe and phase is not Phase.PROBE:
             self.end_probe()
         if phase is Phase.PROBE:
-            if not progress.prefilling:
-                raise ValueError("phase: a probe runs during prefill, not after decoding started")
-            if progress.in_probe:
-                raise ValueError("phase: a probe is already running; end it first")
-            progress.probe, progress.probe_scores = ProbeMark.of(self.slots), None
-            progress.told = progress.told or Phase.DOCUMENT
-            return
-        if phase is Phase.DECODE:
-            if progress.prefilling:
-                self._end_prefill()
-        elif not progress.prefilling:
-            raise ValueError(f"phase: {phase.value!r} after decoding started; build a fresh cache stack per sequence")
-        progress.told = phase
+            progress.start_probe(ProbeMark.of(self.slots))
+        elif progress.tell(phase):
+            self._end_prefill()
 
     def end_probe(self) -> None:
         """Drop the probe's keys and values (offset and accounting as before it).
@@ -156,13 +122,11 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
         Under the streaming timing the held tokens are first ranked by the
         probe's attention and evicted to budget.
         """
-        progress = self.progress
-        if progress.probe is None:
+        if not self.progress.in_probe:
             return
-        mark, progress.probe = progress.probe, None
+        mark, scores = self.progress.finish_probe()
         self._forget_pending_observation()
         mark.restore(self.slots)
-        scores, progress.probe_scores = progress.probe_scores, None
         if scores is not None and self.timing.on_probe_end():
             self._rank_and_evict(scores)
 
@@ -177,7 +141,8 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
             return
         if self.progress.in_probe:
             raise ValueError("compact_positions: not while a probe runs")
-        self._select_if_due()
+        if self.timing.selection_due():
+            self._select_by_window()
         self.selector.clear()  # remembered query positions are from before the move
         self.slots.compact(shift)
 
@@ -294,16 +259,9 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
         return not self.progress.in_probe and self.timing.evicts(self.progress.prefilling)
 
     def _append(self, keys: mx.array, values: mx.array) -> None:
-        self.slots.append(keys, values, self.slots.offset, self._spare_slots(keys.shape[2]))
-
-    def _spare_slots(self, n_new: int) -> int:
-        """Empty slots to add when the buffer grows, so that the next appends write in place."""
-        end = self.slots.stored + n_new
-        if n_new == 1:  # decoding below budget: room up to the budget
-            return max(0, min(self.allocation.budget(), end + GROWTH_STEP) - end)
-        if not self._evicting_now() and self.timing.grows_in_steps(self.progress.prefilling):
-            return -end % GROWTH_STEP  # keeps everything for now: grow in steps, like KVCache
-        return 0  # evicted down to budget soon after
+        grows_in_steps = not self._evicting_now() and self.timing.grows_in_steps(self.progress.prefilling)
+        spare = self.slots.spare_for(keys.shape[2], budget=self.allocation.budget(), in_steps=grows_in_steps)
+        self.slots.append(keys, values, self.slots.offset, spare)
 
     def _evict_to(self, budget: int) -> None:
         """Keep the ``budget`` best-ranked held tokens of every head (the selector's window mass in step)."""
@@ -324,10 +282,6 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
             return
         keys, _ = self.slots.held()
         self._rank_and_evict(self.selector.scores(keys, self.slots.held_positions(), scale=self._window_scale()))
-
-    def _select_if_due(self) -> None:
-        if self.timing.selection_due():
-            self._select_by_window()
 
     def _end_prefill(self) -> None:
         self.progress.prefilling = False

@@ -101,6 +101,30 @@ class LayerPhase:
         """A document chunk (or, never told, any prefill call)."""
         return self.probe is None and self.told in (None, Phase.DOCUMENT)
 
+    def tell(self, phase: Phase) -> bool:
+        """The next calls belong to ``phase`` (not a probe); True when this ends prefill."""
+        if phase is Phase.PROBE:
+            raise ValueError("phase: a probe starts with start_probe")
+        if phase is not Phase.DECODE and not self.prefilling:
+            raise ValueError(f"phase: {phase.value!r} after decoding started; build a fresh cache stack per sequence")
+        self.told = phase
+        return phase is Phase.DECODE and self.prefilling
+
+    def start_probe(self, mark: ProbeMark) -> None:
+        """A probe starts; ``mark`` is what it must give back."""
+        if not self.prefilling:
+            raise ValueError("phase: a probe runs during prefill, not after decoding started")
+        if self.probe is not None:
+            raise ValueError("phase: a probe is already running; end it first")
+        self.probe, self.probe_scores = mark, None
+        self.told = self.told or Phase.DOCUMENT
+
+    def finish_probe(self) -> tuple:
+        """The probe ends: ``(mark, its ranking or None)``."""
+        mark, scores = self.probe, self.probe_scores
+        self.probe = self.probe_scores = None
+        return mark, scores
+
 
 def leaves(caches: Iterable) -> list:
     """Every cache of a stack, with the members of a ``CacheList`` (a hybrid layer) in its place."""

@@ -28,6 +28,8 @@ from typing import Optional
 
 import mlx.core as mx
 
+GROWTH_STEP = 256  # buffer growth granularity, as mlx-lm's KVCache
+
 
 class TokenSlots:
     """Keys, values, scores and positions of the tokens one cache layer holds.
@@ -94,6 +96,17 @@ class TokenSlots:
         if pad:
             mass = mx.pad(mass, [(0, 0), (0, 0), (0, pad)])
         self.scores = mass if replace else self.scores + mass
+
+    def spare_for(self, n_new: int, *, budget: int, in_steps: bool) -> int:
+        """Empty slots to add when the buffer grows for ``n_new`` tokens, so that the next appends write in place.
+
+        A decode token below budget gets room up to the budget; a chunk gets
+        room to the next ``GROWTH_STEP`` when nothing is evicted soon (``in_steps``).
+        """
+        end = self.stored + n_new
+        if n_new == 1:
+            return max(0, min(budget, end + GROWTH_STEP) - end)
+        return -end % GROWTH_STEP if in_steps else 0
 
     def append(self, keys: mx.array, values: mx.array, first_position: int, spare: int) -> None:
         """Write new tokens after the held ones: in place when the buffer has room, else grow it by ``spare``."""
