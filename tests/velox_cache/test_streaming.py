@@ -10,8 +10,7 @@ import velox_cache
 from velox_cache import KVCacheBuilder, KVCacheConfig, KVCacheFactory, phases, prefill_phases
 from velox_cache.rope import RotaryShift
 
-SCORINGS = ["key_proxy", "observed"]
-STREAMING = ["pyramidkv", "squeeze", "snapkv", "h2o", "tova"]
+from .policies import SCORINGS, STREAMING_METHODS as STREAMING
 CHUNK = 32
 
 

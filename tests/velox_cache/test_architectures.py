@@ -1,6 +1,6 @@
 """Velox on hybrid mlx-lm architectures: compress the global-attention layers, keep every other cache.
 
-Tiny configurations from ``tests/architectures.py`` (no network). For each:
+Tiny configurations from ``tests/velox_cache/architectures.py`` (no network). For each:
 logits equal plain mlx-lm caches with a budget covering the sequence, for
 PyramidKV and squeeze, with the key proxy and with observed attention; with a
 small budget every compressed layer stays within its budget, and budgets
@@ -16,7 +16,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 import velox_cache
 from bench.architectures import cache_scoring, max_difference, run_sequence, velox_layers
-from tests.architectures import VOCAB, build
+from tests.velox_cache.architectures import VOCAB, build
 from velox_cache import KVCacheBuilder, KVCacheConfig
 from velox_cache.accounting import CacheAccounting, layer_stats
 from velox_cache.masks import MaskMismatchError

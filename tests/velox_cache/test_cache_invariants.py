@@ -12,14 +12,12 @@ import velox_cache
 from velox_cache import KVCacheBuilder, KVCacheConfig, KVCacheFactory
 from velox_cache.policies import POLICIES
 
-# Every evicting policy with its defaults, plus the non-default eviction timings.
-POLICY_CONFIGS = {m: {"method": m} for m in POLICIES if m != "full"}
-POLICY_CONFIGS["pyramidkv-continuous"] = {"method": "pyramidkv", "eviction": "continuous", "selection": "cumulative"}
-POLICY_CONFIGS["squeeze-continuous"] = {"method": "squeeze", "eviction": "continuous", "selection": "cumulative"}
-POLICY_CONFIGS["h2o-prefill-end"] = {"method": "h2o", "eviction": "prefill_end"}
-EVICTING = list(POLICY_CONFIGS)
-SCORINGS = ["key_proxy", "observed"]
+from .policies import EVICTING, EVICTING_METHODS, POLICY_CONFIGS, SCORINGS
 B, H, GROUP, D = 1, 2, 2, 16
+
+
+def test_every_policy_has_a_row():
+    assert set(EVICTING_METHODS) == set(POLICIES) - {"full"}, "add the new policy to tests/velox_cache/policies.py"
 
 
 def _scored(cache, keys, values, scoring):

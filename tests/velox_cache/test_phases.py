@@ -5,7 +5,7 @@ import pytest
 
 from velox_cache import KVCacheBuilder, KVCacheConfig, KVCacheFactory, Phase, phases, prefill_phases
 
-PREFILL_END = ["snapkv", "pyramidkv", "squeeze"]
+from .policies import PREFILL_END_METHODS as PREFILL_END
 
 
 def _kept_positions(caches):
