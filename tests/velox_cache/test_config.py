@@ -106,7 +106,7 @@ def test_mass_weight_defaults_per_policy_and_an_explicit_value_wins():
     def weight(**fields):
         return KVCacheFactory.create(KVCacheConfig(budget=64, **fields)).mass_weight
 
-    assert weight(method="squeeze") == 0.3, "squeeze blends at prefill end (measured: README, Fidelity)"
+    assert weight(method="squeeze") == 0.3, "squeeze blends at prefill end (measured: bench/RESULTS.md, Fidelity)"
     assert weight(method="squeeze", eviction="streaming") == 0.0, "not under streaming (needles)"
     assert weight(method="pyramidkv") == weight(method="snapkv") == 0.0, "the window alone keeps needles"
     assert weight(method="squeeze", mass_weight=0.0) == 0.0
