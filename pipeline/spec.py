@@ -6,6 +6,7 @@ Every error is a ``SpecError`` whose message names the file and the field
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import glob
@@ -15,13 +16,14 @@ import math
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import yaml
 
-from velox_cache import ConfigError, KVCacheConfig
+from .defaults import DEFAULT_DB
 
-from .store import DEFAULT_DB
+if TYPE_CHECKING:
+    from velox_cache import KVCacheConfig
 
 ON_TOO_LONG = ("truncate", "skip", "fail")
 ENGINES = ("in-process", "ray")
@@ -132,6 +134,57 @@ class JobSpec:
         data["variants"] = [{"name": v.name, **dataclasses.asdict(v.cache)} for v in self.variants]
         return data
 
+    def with_overrides(
+        self,
+        *,
+        db: Optional[str] = None,
+        limit: Optional[int] = None,
+        variants: Sequence[str] = (),
+        max_prompt_tokens: Optional[int] = None,
+        on_too_long: Optional[str] = None,
+        model: Optional[str] = None,
+        engine: Optional[str] = None,
+        workers: Optional[int] = None,
+        address: Optional[str] = None,
+    ) -> "JobSpec":
+        """A copy of this spec with ``velox-batch run``'s options applied, validated again.
+
+        Each argument is one option (``variants``: the ``--variant`` names, in the order
+        to run them); an empty one leaves the spec's value. ``engine="in-process"`` drops
+        the spec's ray settings rather than refusing them. Errors are ``SpecError``s
+        naming the option (``--workers: only the ray engine has workers (add --engine ray)``).
+        """
+        spec = copy.deepcopy(self)
+        if engine == "in-process":  # the spec's ray settings do not apply
+            spec.engine.workers = spec.engine.address = None
+        if engine:
+            spec.engine.name = engine
+        for option, value in (("--workers", workers), ("--address", address)):
+            if value is not None and spec.engine.name != "ray":
+                raise SpecError(f"{option}: only the ray engine has {option[2:]} (add --engine ray)")
+        if workers is not None:
+            spec.engine.workers = workers
+        if address is not None:
+            spec.engine.address = address
+        if db:
+            spec.output.db = db
+        if limit:
+            spec.limits.max_documents = limit
+        if max_prompt_tokens:
+            spec.limits.max_prompt_tokens = max_prompt_tokens
+        if on_too_long:
+            spec.limits.on_too_long = on_too_long
+        if model:
+            spec.model = model
+        if variants:
+            known = {v.name: v for v in spec.variants}
+            for name in variants:
+                if name not in known:
+                    raise SpecError(f"--variant: '{name}' is not in the spec; variants: {', '.join(known)}")
+            spec.variants = [known[name] for name in variants]
+        validate(spec)
+        return spec
+
 
 def _hash(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -234,6 +287,8 @@ def _check_type(value: Any, annotation: str, where: str):
 
 
 def _variants(raw: dict, where: str) -> list[Variant]:
+    from velox_cache import ConfigError, KVCacheConfig  # velox_cache loads MLX: only when a spec is parsed
+
     if "cache" in raw and "variants" in raw:
         raise SpecError(f"{where}: give either 'cache' or 'variants', not both")
     if "variants" in raw:
