@@ -211,9 +211,9 @@ def plan_document(
 
 
 def _stored_full_results(store, plan: DocumentPlan, due: list[Variant]) -> dict[str, Optional[dict]]:
-    """The stored full-cache result of each prompt the compressed variants in ``due`` read
-    that no full variant in ``due`` reads: one store read per such prompt (one in all but
-    streaming jobs). A reference is made with teacher forcing only when no full variant is due.
+    """The stored full-cache result of each prompt that compressed variants in ``due`` read
+    and no full variant in ``due`` reads: one store read per such prompt, so at most one per
+    document unless streaming variants read a prompt of their own.
     """
     made_here = {plan.prepared_for(v).prompt_hash for v in due if v.cache.method == "full"}
     found: dict[str, Optional[dict]] = {}
