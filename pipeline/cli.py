@@ -131,9 +131,10 @@ def run(spec_path, db, limit, variant_names, max_prompt_tokens, on_too_long, mod
     from .spec import SpecError, load_spec
 
     try:
-        spec = load_spec(spec_path)
-        spec = _apply_engine_overrides(spec, engine, workers, address)
-        spec = _apply_overrides(spec, db, limit, variant_names, max_prompt_tokens, on_too_long, model)
+        spec = load_spec(spec_path).with_overrides(
+            db=db, limit=limit, variants=variant_names, max_prompt_tokens=max_prompt_tokens,
+            on_too_long=on_too_long, model=model, engine=engine, workers=workers, address=address,
+        )
         summary = run_job(spec, force=force, quiet=quiet)
     except SpecError as exc:
         click.echo(f"Error: {exc}", err=True)
@@ -154,46 +155,6 @@ def run(spec_path, db, limit, variant_names, max_prompt_tokens, on_too_long, mod
     elif not quiet:
         click.echo(f"run {summary.run_id} -> {summary.db}: {counts}", err=True)
     sys.exit(summary.exit_status)
-
-
-def _apply_engine_overrides(spec, engine, workers, address):
-    from .spec import SpecError
-
-    if engine == "in-process":  # the spec's ray settings do not apply
-        spec.engine.workers = spec.engine.address = None
-    if engine:
-        spec.engine.name = engine
-    for option, value in (("--workers", workers), ("--address", address)):
-        if value is not None and spec.engine.name != "ray":
-            raise SpecError(f"{option}: only the ray engine has {option[2:]} (add --engine ray)")
-    if workers is not None:
-        spec.engine.workers = workers
-    if address is not None:
-        spec.engine.address = address
-    return spec
-
-
-def _apply_overrides(spec, db, limit, variant_names, max_prompt_tokens, on_too_long, model):
-    from .spec import SpecError, validate
-
-    if db:
-        spec.output.db = db
-    if limit:
-        spec.limits.max_documents = limit
-    if max_prompt_tokens:
-        spec.limits.max_prompt_tokens = max_prompt_tokens
-    if on_too_long:
-        spec.limits.on_too_long = on_too_long
-    if model:
-        spec.model = model
-    if variant_names:
-        known = {v.name: v for v in spec.variants}
-        for name in variant_names:
-            if name not in known:
-                raise SpecError(f"--variant: '{name}' is not in the spec; variants: {', '.join(known)}")
-        spec.variants = [known[name] for name in variant_names]
-    validate(spec)
-    return spec
 
 
 def _db_option(function):

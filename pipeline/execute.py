@@ -11,12 +11,10 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from . import model_store
-from .generation import GenerationResult, Reference, generate
+from .generation import GenerationResult, generate
 from .plan import WorkItem
 from .platform import set_blas_threads
-
-
-LOGPROB_DECIMALS = 6  # output log-probabilities as stored (and fed to teacher forcing)
+from .reference import Reference
 
 
 @dataclass
@@ -26,11 +24,6 @@ class VariantOutcome:
     variant: str
     result: Optional[GenerationResult] = None
     error: Optional[str] = None
-
-
-def reference_of(result: GenerationResult) -> Reference:
-    """The full cache's output as teacher forcing feeds it, exactly as the store keeps it."""
-    return Reference(list(result.token_ids), [round(p, LOGPROB_DECIMALS) for p in result.logprobs])
 
 
 def execute(model, tokenizer, item: WorkItem) -> list[VariantOutcome]:
@@ -60,7 +53,7 @@ def execute(model, tokenizer, item: WorkItem) -> list[VariantOutcome]:
         else:
             outcomes.append(VariantOutcome(variant.name, result=result))
             if is_full:
-                reference = reference_of(result)
+                reference = Reference.of_output(result.token_ids, result.logprobs)
     return outcomes
 
 

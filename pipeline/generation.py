@@ -22,15 +22,8 @@ from velox_cache.accounting import layer_stats
 from velox_cache.observe import can_route
 
 from .prompting import Prompt
+from .reference import Reference
 from .spec import GenerationSpec
-
-
-@dataclass
-class Reference:
-    """The full cache's output for the same prompt: token ids and their log-probabilities."""
-
-    token_ids: list[int]
-    logprobs: list[float]
 
 
 @dataclass

@@ -23,8 +23,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from .generation import Reference
 from .prompting import Prompt, PromptTooLong, build_prompt, tokens_hash
+from .reference import Reference
 from .source import Document, iter_documents
 from .spec import GenerationSpec, JobSpec, Variant, variant_hash
 
@@ -44,7 +44,7 @@ class PreparedDocument:
 
 @dataclass
 class VariantPlan:
-    """One document × variant: its key, the identifying columns of its row, and what to do.
+    """One document × variant: its key and what to do (its row: ``pipeline.rows.document_row``).
 
     ``state`` is ``due`` (to run), ``unchanged`` (stored as done before; ``stored_row``
     is that row, ``stored_is_latest`` whether it is already its variant's latest),
@@ -53,7 +53,6 @@ class VariantPlan:
 
     variant: Variant
     key: str
-    row: dict
     state: str
     stored_row: Optional[int] = None
     stored_is_latest: bool = True
@@ -93,13 +92,21 @@ class WorkItem:
 
 @dataclass
 class DocumentPlan:
-    """One document of the input: its prompt and one ``VariantPlan`` per variant of the job."""
+    """One document of the input: its prompt and one ``VariantPlan`` per variant of the job.
+
+    ``full_outputs`` maps the prompt hash of each prompt that compressed variants due
+    here read, and that no full variant due here reads, to the stored full-cache
+    output of that prompt (None when there is none): what their ROUGE-L is measured
+    against. A prompt a due full variant reads is compared with that variant's output.
+    """
 
     index: int
     prepared: PreparedDocument
+    settings_hash: str
     variants: list[VariantPlan] = field(default_factory=list)
     work: Optional[WorkItem] = None  # None when nothing is due
     streamed: Optional[PreparedDocument] = None  # the streaming variants' prompt, when it differs
+    full_outputs: dict[str, Optional[str]] = field(default_factory=dict)
 
     def entry(self, variant_name: str) -> VariantPlan:
         return next(entry for entry in self.variants if entry.variant.name == variant_name)
@@ -162,15 +169,6 @@ def prepare_documents(
     return prepared, (None if same else whole)
 
 
-def _stored_budget(config, prepared: PreparedDocument) -> Optional[int]:
-    """The budget a row records: tokens, a share of the prompt resolved for this prompt."""
-    if config.method == "full":
-        return None
-    if config.budget_fraction is None:
-        return config.budget
-    return config.resolved_for(prepared.prompt_tokens).budget if prepared.prompt_tokens is not None else None
-
-
 def plan_document(
     spec: JobSpec,
     store,
@@ -182,30 +180,18 @@ def plan_document(
     streamed: Optional[PreparedDocument] = None,
 ) -> DocumentPlan:
     """Decide each variant of one prepared document from the store (which reads only)."""
-    plan = DocumentPlan(index, prepared, streamed=streamed)
+    plan = DocumentPlan(index, prepared, settings_hash, streamed=streamed)
     document = prepared.document
     for variant in ordered_variants(spec):
-        config = variant.cache
         own = plan.prepared_for(variant)
         key = doc_key(document.document_id, own.basis, settings_hash, variant)
-        row = {
-            "doc_key": key,
-            "document_id": document.document_id,
-            "content_hash": document.content_hash,
-            "prompt_hash": own.prompt_hash,
-            "settings_hash": settings_hash,
-            "variant": variant.name,
-            "method": config.method,
-            "budget": _stored_budget(config, own),
-            "scoring": None if config.method == "full" else config.scoring,
-        }
         found = None if force else store.find_done(key)
         if found is not None:
-            entry = VariantPlan(variant, key, row, "unchanged", stored_row=found[0], stored_is_latest=found[1])
+            entry = VariantPlan(variant, key, "unchanged", stored_row=found[0], stored_is_latest=found[1])
         elif own.status != "ready":
-            entry = VariantPlan(variant, key, row, "skipped" if own.status == "skipped" else "failed")
+            entry = VariantPlan(variant, key, "skipped" if own.status == "skipped" else "failed")
         else:
-            entry = VariantPlan(variant, key, row, "due")
+            entry = VariantPlan(variant, key, "due")
         plan.variants.append(entry)
     due = [entry.variant for entry in plan.variants if entry.state == "due"]
     if due:
@@ -213,15 +199,29 @@ def plan_document(
         main = prepared if bounded_due else streamed
         other = streamed.prompt if bounded_due and streamed is not None and streamed.status == "ready" else None
         reference = None
-        if all(variant.cache.method != "full" for variant in due):
-            stored = store.full_reference(document.document_id, main.prompt_hash, settings_hash)
-            if stored is not None and stored["token_ids"] is not None:
+        for stored_hash, stored in _stored_full_results(store, plan, due).items():
+            plan.full_outputs[stored_hash] = None if stored is None else stored["output"]
+            if stored_hash == main.prompt_hash and stored is not None and stored["token_ids"] is not None:
                 reference = Reference(stored["token_ids"], stored["logprobs"])
         plan.work = WorkItem(
             index, document.document_id, list(main.prompt.tokens), due, spec.generation, reference=reference,
             document_start=main.prompt.document_start, document_end=main.prompt.document_end, streamed=other,
         )
     return plan
+
+
+def _stored_full_results(store, plan: DocumentPlan, due: list[Variant]) -> dict[str, Optional[dict]]:
+    """The stored full-cache result of each prompt that compressed variants in ``due`` read
+    and no full variant in ``due`` reads: one store read per such prompt, so at most one per
+    document unless streaming variants read a prompt of their own.
+    """
+    made_here = {plan.prepared_for(v).prompt_hash for v in due if v.cache.method == "full"}
+    found: dict[str, Optional[dict]] = {}
+    for variant in due:
+        prompt_hash = plan.prepared_for(variant).prompt_hash
+        if variant.cache.method != "full" and prompt_hash not in made_here and prompt_hash not in found:
+            found[prompt_hash] = store.full_reference(plan.prepared.document.document_id, prompt_hash, plan.settings_hash)
+    return found
 
 
 def plan_documents(

@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Optional
 
 from . import model_store
 from .engines import BadModel, EngineUnavailable, make_engine
-from .persist import save_outcome, settle
+from .persist import save_outcomes, settle
 from .plan import DocumentPlan, plan_documents, streams
 from .platform import loaded_blas, package_version
 from .source import count_documents, open_dataset
@@ -248,7 +248,7 @@ def _run_locked(spec, store, dataset, engine, force, quiet, progress_stream, gua
 
         for item, outcomes in engine.run(due_work()):
             plan = running.pop(item.index)
-            results = {outcome.variant: save_outcome(store, run_id, plan, outcome) for outcome in outcomes}
+            results = save_outcomes(store, run_id, plan, outcomes)
             labels = [results[e.variant.name][0] if e.state == "due" else e.state for e in plan.variants]
             document_finished(plan, labels, [rate for _, rate in results.values() if rate])
         status = "done_with_errors" if counts["documents_failed"] else "done"

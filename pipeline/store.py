@@ -28,7 +28,8 @@ from typing import Callable, Iterator, Optional
 
 import sqlite_utils
 
-DEFAULT_DB = "data/velox.db"
+from .defaults import DEFAULT_DB  # noqa: F401 (the CLI's --db default; spec.py shares it)
+
 BUSY_TIMEOUT_MS = 1_000  # one wait inside SQLite; writes retry after it
 WAIT_NOTICE_SECONDS = 30.0
 SQLITE_HEADER = b"SQLite format 3\x00"

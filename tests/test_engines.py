@@ -52,7 +52,7 @@ def test_engine_options_override_the_spec(job):
 
 def test_asking_for_ray_without_it_says_what_to_install(job, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: importing it fails
-    monkeypatch.delitem(sys.modules, "pipeline.ray_engine", raising=False)
+    monkeypatch.delitem(sys.modules, "pipeline.engines.ray_engine", raising=False)
     result = invoke("run", job(), "--engine", "ray")
     assert result.exit_code == 2
     assert "engine.name: 'ray' needs Ray" in result.output and "pip install 'velox[ray]'" in result.output
@@ -154,7 +154,7 @@ def test_a_ray_address_where_nothing_answers_is_one_line_and_exit_2(job, tmp_pat
 
 
 def test_cluster_workers_get_the_drivers_blas_and_attention_settings(monkeypatch):
-    ray_engine = pytest.importorskip("pipeline.ray_engine", reason="the ray engine needs the velox[ray] extra")
+    ray_engine = pytest.importorskip("pipeline.engines.ray_engine", reason="the ray engine needs the velox[ray] extra")
     monkeypatch.setenv("LD_PRELOAD", "/lib/libblas.so.3")
     monkeypatch.setenv("VELOX_ATTENTION", "exact")
     monkeypatch.delenv("VELOX_ATTENTION_STREAMS", raising=False)
@@ -164,7 +164,7 @@ def test_cluster_workers_get_the_drivers_blas_and_attention_settings(monkeypatch
 
 
 def test_ray_dispatches_the_most_work_first_and_keeps_input_order_on_ties(work_item):
-    ray_engine = pytest.importorskip("pipeline.ray_engine", reason="the ray engine needs the velox[ray] extra")
+    ray_engine = pytest.importorskip("pipeline.engines.ray_engine", reason="the ray engine needs the velox[ray] extra")
     short, long = work_item.prompt_tokens[:2], work_item.prompt_tokens * 3
     items = [
         dataclasses.replace(work_item, index=0, prompt_tokens=short),

@@ -22,7 +22,7 @@ ray = pytest.importorskip(
 import pipeline.execute  # noqa: E402
 from pipeline.model_store import load_model  # noqa: E402
 from pipeline.platform import blas_threads  # noqa: E402
-from pipeline.ray_engine import connect  # noqa: E402
+from pipeline.engines.ray_engine import connect  # noqa: E402
 from pipeline.runner import run_job  # noqa: E402
 from pipeline.spec import EngineSpec, load_spec  # noqa: E402
 from tests.test_pipeline import REPO, job, rows, wait_until_stored, write_corpus  # noqa: E402, F401 (job is a fixture)

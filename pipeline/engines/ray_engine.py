@@ -33,12 +33,12 @@ import ray.data
 from velox_cache.attend import ENVIRONMENT_VARIABLE as ATTENTION_VARIABLE
 from velox_cache.attend import STREAMS_VARIABLE as ATTENTION_STREAMS_VARIABLE
 
-from . import model_store
-from .engines import BadModel, EngineUnavailable
-from .execute import Executor, VariantOutcome, failed_outcomes
-from .plan import WorkItem
-from .platform import BLAS_THREAD_VARIABLES
-from .spec import EngineSpec, JobSpec
+from .. import model_store
+from ..execute import Executor, VariantOutcome, failed_outcomes
+from ..plan import WorkItem
+from ..platform import BLAS_THREAD_VARIABLES
+from ..spec import EngineSpec, JobSpec
+from . import BadModel, EngineUnavailable
 
 LOCAL = "local"
 LOCAL_OBJECT_STORE_BYTES = 256 * 2**20

@@ -1,0 +1,193 @@
+"""The job spec's dataclasses: what a job runs, and the hashes that key its work."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import glob
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from ..defaults import DEFAULT_DB
+from .checks import SpecError, template_fields, validate
+
+if TYPE_CHECKING:
+    from velox_cache import KVCacheConfig
+
+
+@dataclass
+class InputSpec:
+    path: str
+    id_column: str
+    text_column: Optional[str] = None
+    prompt_column: Optional[str] = None
+    prompt_template: str = "{text}"
+    system: Optional[str] = None
+    chat_template: bool = True
+
+    def template_columns(self) -> list[str]:
+        """Columns the prompt template refers to (``{text}`` means ``text_column``)."""
+        return [self.text_column if name == "text" else name for name in template_fields(self.prompt_template)]
+
+    def columns(self) -> list[str]:
+        """Every column a run reads."""
+        if self.prompt_column:
+            return [self.id_column, self.prompt_column]
+        return list(dict.fromkeys([self.id_column, self.text_column, *self.template_columns()]))
+
+
+@dataclass
+class GenerationSpec:
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    prefill_step_size: int = 256
+
+
+@dataclass
+class LimitsSpec:
+    max_prompt_tokens: Optional[int] = None
+    on_too_long: Optional[str] = None  # truncate for text_column, fail for a ready prompt_column
+    max_documents: Optional[int] = None
+
+
+@dataclass
+class OutputSpec:
+    db: str = DEFAULT_DB
+
+
+@dataclass
+class EngineSpec:
+    """Where documents run: ``in-process`` (one model in this process) or ``ray`` (many workers).
+
+    ``workers``, ``address``, ``cpus_per_worker`` and ``max_retries`` apply to ``ray`` only.
+    ``workers`` defaults to every CPU (of this machine, or of the cluster when joining one);
+    ``address`` (else ``$RAY_ADDRESS``) joins a running cluster instead of starting Ray here.
+    """
+
+    name: str = "in-process"
+    workers: Optional[int] = None
+    address: Optional[str] = None
+    cpus_per_worker: int = 1  # CPUs each worker reserves, and its BLAS threads
+    max_retries: int = 2  # tries of one document after the first, when its worker dies on it
+
+
+@dataclass
+class Variant:
+    name: str
+    cache: KVCacheConfig
+
+
+@dataclass
+class JobSpec:
+    name: str
+    model: str
+    input: InputSpec
+    variants: list[Variant]
+    generation: GenerationSpec = field(default_factory=GenerationSpec)
+    limits: LimitsSpec = field(default_factory=LimitsSpec)
+    output: OutputSpec = field(default_factory=OutputSpec)
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    source: Optional[str] = None  # the spec file
+
+    def settings_hash(self) -> str:
+        """Hash of the job's settings apart from its variants (recorded per run as ``spec_hash``)."""
+        settings = {
+            "model": self.model,
+            "input": {k: v for k, v in dataclasses.asdict(self.input).items() if k != "path"},
+            "generation": dataclasses.asdict(self.generation),
+            "limits": {k: v for k, v in dataclasses.asdict(self.limits).items() if k != "max_documents"},
+        }
+        return _hash(settings)
+
+    def output_settings_hash(self, **extra) -> str:
+        """Hash of what decides a document's output besides its prompt tokens and variant.
+
+        That is the model (``extra`` adds how it was loaded, e.g. its weights) and the
+        generation settings; limits are left out: they decide the prompt, and the
+        prompt's own tokens are hashed separately.
+        """
+        return _hash({"model": self.model, "generation": dataclasses.asdict(self.generation), **extra})
+
+    def as_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["variants"] = [{"name": v.name, **dataclasses.asdict(v.cache)} for v in self.variants]
+        return data
+
+    def with_overrides(
+        self,
+        *,
+        db: Optional[str] = None,
+        limit: Optional[int] = None,
+        variants: Sequence[str] = (),
+        max_prompt_tokens: Optional[int] = None,
+        on_too_long: Optional[str] = None,
+        model: Optional[str] = None,
+        engine: Optional[str] = None,
+        workers: Optional[int] = None,
+        address: Optional[str] = None,
+    ) -> "JobSpec":
+        """A copy of this spec with ``velox-batch run``'s options applied, validated again.
+
+        Each argument is one option (``variants``: the ``--variant`` names, in the order
+        to run them); an empty one leaves the spec's value. ``engine="in-process"`` drops
+        the spec's ray settings rather than refusing them. Errors are ``SpecError``s
+        naming the option (``--workers: only the ray engine has workers (add --engine ray)``).
+        """
+        spec = copy.deepcopy(self)
+        if engine == "in-process":  # the spec's ray settings do not apply
+            spec.engine.workers = spec.engine.address = None
+        if engine:
+            spec.engine.name = engine
+        for option, value in (("--workers", workers), ("--address", address)):
+            if value is not None and spec.engine.name != "ray":
+                raise SpecError(f"{option}: only the ray engine has {option[2:]} (add --engine ray)")
+        if workers is not None:
+            spec.engine.workers = workers
+        if address is not None:
+            spec.engine.address = address
+        if db:
+            spec.output.db = db
+        if limit:
+            spec.limits.max_documents = limit
+        if max_prompt_tokens:
+            spec.limits.max_prompt_tokens = max_prompt_tokens
+        if on_too_long:
+            spec.limits.on_too_long = on_too_long
+        if model:
+            spec.model = model
+        if variants:
+            known = {v.name: v for v in spec.variants}
+            for name in variants:
+                if name not in known:
+                    raise SpecError(f"--variant: '{name}' is not in the spec; variants: {', '.join(known)}")
+            spec.variants = [known[name] for name in variants]
+        validate(spec)
+        return spec
+
+
+def _hash(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def variant_hash(variant: Variant) -> str:
+    return _hash({"name": variant.name, **dataclasses.asdict(variant.cache)})
+
+
+def input_files(spec: JobSpec) -> list[Path]:
+    """The Parquet files the input names (a file, a directory or a glob), sorted."""
+    pattern = spec.input.path
+    candidate = Path(pattern).expanduser()
+    if candidate.is_dir():
+        files = sorted(candidate.rglob("*.parquet"))
+    elif any(ch in pattern for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(str(candidate), recursive=True))
+    else:
+        files = [candidate] if candidate.is_file() else []
+    if not files:
+        raise SpecError(f"input.path: no Parquet file found at '{pattern}'")
+    return files
