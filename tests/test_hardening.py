@@ -20,6 +20,7 @@ import yaml
 
 import pipeline.runner as runner
 import pipeline.store as store_module
+import pipeline.store.migrations as migrations_module
 from pipeline.runner import EXIT_BAD_INPUT, EXIT_LOCKED, JobError, run_job
 from pipeline.spec import SpecError, load_spec, parse_spec
 from pipeline.store import MIGRATIONS, Store
@@ -251,12 +252,12 @@ def test_a_migration_that_dies_halfway_leaves_nothing_behind(tmp_path, monkeypat
         MIGRATIONS[0](db)
         raise RuntimeError("killed halfway")
 
-    monkeypatch.setattr(store_module, "MIGRATIONS", [m001_then_crash])
+    monkeypatch.setattr(migrations_module, "MIGRATIONS", [m001_then_crash])
     with pytest.raises(RuntimeError, match="killed halfway"):
         with Store(tmp_path / "s.db").locked():
             pass
     assert "runs" not in {name for (name,) in rows(tmp_path / "s.db", "select name from sqlite_master")}
-    monkeypatch.setattr(store_module, "MIGRATIONS", MIGRATIONS)
+    monkeypatch.setattr(migrations_module, "MIGRATIONS", MIGRATIONS)
     with Store(tmp_path / "s.db").locked():
         pass
     assert rows(tmp_path / "s.db", "select count(*) from _velox_migrations") == [(len(MIGRATIONS),)]
@@ -264,7 +265,7 @@ def test_a_migration_that_dies_halfway_leaves_nothing_behind(tmp_path, monkeypat
 
 def test_a_store_from_before_the_history_marks_is_upgraded_in_place(tmp_path, monkeypatch):
     db = tmp_path / "old.db"
-    monkeypatch.setattr(store_module, "MIGRATIONS", MIGRATIONS[:2])
+    monkeypatch.setattr(migrations_module, "MIGRATIONS", MIGRATIONS[:2])
     with Store(db).locked() as store:
         run_id = store.start_run({"job_name": "old"})
         for output in ("first", "second"):
@@ -272,7 +273,7 @@ def test_a_store_from_before_the_history_marks_is_upgraded_in_place(tmp_path, mo
                 {"doc_key": output, "run_id": run_id, "document_id": "d", "variant": "full", "method": "full",
                  "status": "done", "output": output}
             )
-    monkeypatch.setattr(store_module, "MIGRATIONS", MIGRATIONS)
+    monkeypatch.setattr(migrations_module, "MIGRATIONS", MIGRATIONS)
     with Store(db).locked():
         pass
     assert rows(db, "select output, is_latest from documents order by id") == [("first", 0), ("second", 1)]

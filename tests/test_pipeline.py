@@ -263,7 +263,7 @@ def test_overrides_select_variants_db_and_limit(job, tmp_path):
 
 
 def test_a_store_from_before_cache_kinds_is_upgraded_in_place(tmp_path, monkeypatch):
-    import pipeline.store as store_module
+    import pipeline.store.migrations as migrations_module
 
     db = tmp_path / "old.db"
     layer = {"layer": 0, "layer_budget": 8, "tokens_seen": 20, "tokens_kept": 8, "kept_bytes": 64,
@@ -272,10 +272,10 @@ def test_a_store_from_before_cache_kinds_is_upgraded_in_place(tmp_path, monkeypa
     def document(key):
         return {"doc_key": key, "run_id": None, "document_id": key, "variant": "v", "method": "h2o", "status": "done"}
 
-    monkeypatch.setattr(store_module, "MIGRATIONS", MIGRATIONS[:5])  # main's store before m006
+    monkeypatch.setattr(migrations_module, "MIGRATIONS", MIGRATIONS[:5])  # main's store before m006
     with Store(db).locked() as store:
         store.save_document(document("old"), [layer])
-    monkeypatch.setattr(store_module, "MIGRATIONS", MIGRATIONS)
+    monkeypatch.setattr(migrations_module, "MIGRATIONS", MIGRATIONS)
     with Store(db).locked() as store:
         store.save_document(document("new"), [{**layer, "cache_kind": "H2OCache", "scoring": "observed"}])
     assert rows(db, "select name from _velox_migrations order by id")[-1] == ("m006_layer_cache_kind",)
