@@ -8,11 +8,12 @@ each in one transaction.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
-
-import sqlite_utils
+from typing import TYPE_CHECKING, Callable, Optional
 
 from .base import now
+
+if TYPE_CHECKING:  # the writer imports sqlite_utils when it opens a store (it loads pandas if installed)
+    import sqlite_utils
 
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = []  # append only: stores record what they applied
 

@@ -20,9 +20,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
-
-import sqlite_utils
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 from .base import SQLITE_BUSY, SQLITE_HEADER, SQLITE_LOCKED, StoreError, StoreLocked, now, primary_code
 from .migrations import migrate
@@ -30,6 +28,9 @@ from .migrations import migrate
 DEFAULT_DB = "data/velox.db"
 BUSY_TIMEOUT_MS = 1_000  # one wait inside SQLite; writes retry after it
 WAIT_NOTICE_SECONDS = 30.0
+
+if TYPE_CHECKING:  # imported when a store is opened: sqlite_utils loads pandas if installed, slow for readers
+    import sqlite_utils
 
 
 def _print_notice(message: str) -> None:
@@ -127,6 +128,8 @@ class Store:
             handle.close()
 
     def _open(self, resolved: Path) -> None:
+        import sqlite_utils
+
         try:
             self.db = sqlite_utils.Database(resolved)
             self.db.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
