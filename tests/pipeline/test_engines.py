@@ -16,7 +16,7 @@ from pipeline.plan import WorkItem
 from pipeline.runner import run_job
 from pipeline.spec import GenerationSpec, SpecError, load_spec, parse_spec
 from pipeline.store import MIGRATIONS, Store
-from tests.test_pipeline import invoke, job, rows  # noqa: F401 (job is a fixture)
+from tests.pipeline.helpers import invoke, rows
 
 
 def spec_with_engine(engine):
