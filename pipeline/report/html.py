@@ -14,7 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from . import charts
+from .charts import (
+    bytes_chart,
+    concentration_chart,
+    fidelity_chart,
+    history_chart,
+    inline_svg,
+    layer_chart,
+    prefill_chart,
+    variant_colours,
+)
 from .data import FIDELITY_LABELS, FIDELITY_SHORT, byte_unit, load_run, scored, timed
 
 MISSING = "–"
@@ -49,7 +58,7 @@ def build_report(db, *, run_id: Optional[int] = None) -> Report:
     variants, documents, layers, history = data.variants, data.documents, data.layers, data.history
     page.run_id = run_id
     page.title = f"Velox report: run {run_id} of {run['job_name']}"
-    colours = charts.variant_colours([v["variant"] for v in variants] + [h["variant"] for h in history])
+    colours = variant_colours([v["variant"] for v in variants] + [h["variant"] for h in history])
 
     page.add(_run_header(run, data.later, fidelity))
     if not variants:
@@ -65,18 +74,18 @@ def build_report(db, *, run_id: Optional[int] = None) -> Report:
     if compressed:
         page.section(
             "Per-layer budgets",
-            page.chart("chart-layer-budgets", lambda: charts.layer_chart(layers, colours))
+            page.chart("chart-layer-budgets", lambda: layer_chart(layers, colours))
             if layers
             else _message(f"Run {run_id} stored no per-layer rows for its compressed variants."),
-            page.chart("chart-concentration", lambda: charts.concentration_chart(layers, colours))
+            page.chart("chart-concentration", lambda: concentration_chart(layers, colours))
             if any(row["method"] == "squeeze" for row in layers)
             else _message("No squeeze variant in this run: per-layer concentration is measured by squeeze only."),
         )
         page.section(
             "Memory and fidelity",
             _side_by_side(
-                page.chart("chart-bytes", lambda: charts.bytes_chart(variants)),
-                page.chart("chart-fidelity", lambda: charts.fidelity_chart(documents, fidelity, colours))
+                page.chart("chart-bytes", lambda: bytes_chart(variants)),
+                page.chart("chart-fidelity", lambda: fidelity_chart(documents, fidelity, colours))
                 if scored(documents)
                 else _message("No compressed document has a fidelity value yet (its full-cache output is missing)."),
             ),
@@ -85,14 +94,14 @@ def build_report(db, *, run_id: Optional[int] = None) -> Report:
     if variants:
         page.section(
             "Speed",
-            page.chart("chart-prefill", lambda: charts.prefill_chart(documents, colours))
+            page.chart("chart-prefill", lambda: prefill_chart(documents, colours))
             if timed(documents)
             else _message(f"Run {run_id} stored no prefill timings."),
         )
     if history:
         page.section(
             "Across runs",
-            page.chart("chart-history", lambda: charts.history_chart(history, fidelity, colours, run_id)),
+            page.chart("chart-history", lambda: history_chart(history, fidelity, colours, run_id)),
             _details(f"Per run and variant ({len(history)} rows)", _history_table(history, fidelity)),
         )
     page.section("Failed and skipped documents", _problem_table(data.problems) if data.problems else _no_problems(run))
@@ -141,7 +150,7 @@ class _Page:
         figure = draw()
         self.charts.append(chart_id)
         title = figure.get_suptitle() or figure.axes[0].get_title()
-        svg = charts.inline_svg(figure, salt=chart_id)
+        svg = inline_svg(figure, salt=chart_id)
         return f'<figure id="{chart_id}" aria-label="{html.escape(title)}">{svg}</figure>'
 
     def only_message(self, text: str) -> Report:
