@@ -22,10 +22,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
+from ..defaults import DEFAULT_DB  # noqa: F401 (the CLI's --db default; spec.py shares it)
 from .base import SQLITE_BUSY, SQLITE_HEADER, SQLITE_LOCKED, StoreError, StoreLocked, now, primary_code
 from .migrations import migrate
 
-DEFAULT_DB = "data/velox.db"
 BUSY_TIMEOUT_MS = 1_000  # one wait inside SQLite; writes retry after it
 WAIT_NOTICE_SECONDS = 30.0
 
