@@ -323,11 +323,30 @@ def _cut(text, width):
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def main():
-    """Console-script entry point: preload a fast BLAS where available, then run the CLI."""
-    from .platform import ensure_fast_blas
+def _named_command(args):
+    """The command that a command line names (``cli`` itself when none), found without running it."""
+    command = cli
+    for arg in args:
+        if not isinstance(command, click.Group):
+            break
+        if not arg.startswith("-"):  # the groups take no options with values
+            command = command.commands.get(arg)
+            if command is None:
+                return None
+    return command
 
-    ensure_fast_blas()
+
+def main():
+    """Console-script entry point: run the CLI, with a fast BLAS preloaded for the commands that load MLX.
+
+    Preloading re-executes the interpreter (``ensure_fast_blas``), so only ``run``,
+    ``doctor`` and ``models import`` do it; ``--help`` and the readers (``status``,
+    ``query``, ``show``, ``report``, ``models list``) start without MLX.
+    """
+    if _named_command(sys.argv[1:]) in (run, doctor, models_import):
+        from .platform import ensure_fast_blas
+
+        ensure_fast_blas()
     cli()
 
 

@@ -3,7 +3,8 @@
 The directory holds ``config.json``, ``model.safetensors`` (weights kept in the
 GGUF's own quantization, mapped to mlx-lm names) and the tokenizer files
 (``tokenizer.json``, ``tokenizer_config.json`` with the chat template), so that
-``mlx_lm.load(directory)`` works with no network.
+``mlx_lm.load(directory)`` works with no network. MLX is imported by the functions
+that read or write tensors, not by importing this module.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-
-import mlx.core as mx
 
 GGUF_TO_MLX_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -42,6 +41,8 @@ class ModelImportError(RuntimeError):
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict, dict]:
     """Read a GGUF file's tensors and metadata, with errors that name the file."""
+    import mlx.core as mx
+
     path = Path(path)
     if not path.is_file():
         raise ModelImportError(f"GGUF file not found: {path}")
@@ -57,6 +58,8 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict]:
 
 
 def _scalar(metadata: dict, key: str, path: Path):
+    import mlx.core as mx
+
     if key not in metadata:
         raise ModelImportError(f"{path}: GGUF metadata lacks '{key}'")
     value = metadata[key]
@@ -190,6 +193,8 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pat
     only when complete, so an interrupted import never leaves a half-written
     directory behind.
     """
+    import mlx.core as mx
+
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if (out_dir / COMPLETE_MARKER).is_file():
         return out_dir

@@ -1,5 +1,8 @@
 """Where imported models live, how a model name is resolved, and loading for this platform.
 
+Nothing here imports MLX, mlx-lm or ``velox_cache`` until a function needs them,
+so the CLI's readers (``models list``, ``status``...) start fast.
+
 A model is named in one of three ways: the built-in alias
 (``smollm2-135m-instruct``), a local mlx-lm model directory, or a ``.gguf`` file.
 GGUF files are imported once into the model cache directory
@@ -15,8 +18,6 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-from velox_cache.prefill import CONTEXT_FIELDS, model_context
 
 from .model_import import COMPLETE_MARKER, ModelImportError, import_gguf
 from .platform import backend_name
@@ -117,11 +118,15 @@ def weights_mode(requested: str | None = None) -> str:
 
 def context_length(model) -> int | None:
     """The number of positions the model was trained for, from its config; None if it does not say."""
+    from velox_cache.prefill import model_context
+
     return model_context(model)
 
 
 def config_context_length(config: dict) -> int | None:
     """``context_length`` read from a model's ``config.json`` mapping instead of a loaded model."""
+    from velox_cache.prefill import CONTEXT_FIELDS
+
     for name in CONTEXT_FIELDS:
         value = config.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:

@@ -13,7 +13,6 @@ from pipeline.runner import run_job
 from pipeline.source import Document
 from pipeline.spec import load_spec, parse_spec
 from pipeline.store import Store
-from tests.test_pipeline import job  # noqa: F401 (a fixture)
 
 RAW = {
     "name": "t",

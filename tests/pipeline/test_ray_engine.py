@@ -25,7 +25,7 @@ from pipeline.platform import blas_threads  # noqa: E402
 from pipeline.engines.ray_engine import connect  # noqa: E402
 from pipeline.runner import run_job  # noqa: E402
 from pipeline.spec import EngineSpec, load_spec  # noqa: E402
-from tests.test_pipeline import REPO, job, rows, wait_until_stored, write_corpus  # noqa: E402, F401 (job is a fixture)
+from tests.pipeline.helpers import REPO, rows, wait_until_stored, write_corpus  # noqa: E402
 
 WORKERS = 2
 OUTPUT_COLUMNS = (

@@ -120,20 +120,6 @@ def test_smollm2_answers_paris(smollm2):
     assert "Paris" in answer
 
 
-def test_every_command_has_help():
-    runner = CliRunner()
-
-    def walk(group, path):
-        for name, command in group.commands.items():
-            result = runner.invoke(cli, [*path, name, "--help"])
-            assert result.exit_code == 0, (path, name)
-            assert "Example" in result.output, f"{' '.join(path + [name])} --help lacks an example"
-            if hasattr(command, "commands"):
-                walk(command, path + [name])
-
-    walk(cli, [])
-
-
 def test_a_gguf_path_names_a_model(models_dir, embedded_gguf):
     directory = model_store.resolve_model(str(embedded_gguf))
     assert directory.parent == models_dir

@@ -1,4 +1,4 @@
-"""The fast-BLAS setup: OpenBLAS preloaded, and its kernels chosen from the CPU's flags."""
+"""The fast-BLAS setup: OpenBLAS preloaded, its kernels chosen from the CPU's flags; runs.device names the BLAS."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from pipeline import platform
+from tests.pipeline.helpers import REPO, cli_env, rows
 
-REPO = Path(__file__).resolve().parent.parent
 AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 
 
@@ -80,3 +80,30 @@ def test_the_wrapper_runs_python_with_the_core_the_cpu_supports():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("OpenBLAS") and f"{platform.openblas_core()} kernels" in result.stdout
+
+
+# ----- runs.device names the BLAS MLX really uses ----------------------------------------------
+
+
+def test_runs_device_names_the_reference_blas_when_openblas_is_not_preloaded(job, tmp_path):
+    env = {k: v for k, v in cli_env().items() if k != "LD_PRELOAD"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "run", str(job()), "--limit", "1", "--variant", "full", "-q"],
+        cwd=REPO, env={k: str(v) for k, v in env.items()}, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    [(device,)] = rows(tmp_path / "store.db", "select device from runs")
+    assert "reference BLAS" in device and "OpenBLAS" not in device
+
+
+def test_preloaded_openblas_is_recognised_with_numpy_loaded():
+    from pipeline.platform import find_openblas
+
+    library = find_openblas()
+    if library is None:
+        pytest.skip("no OpenBLAS installed")
+    probe = "import numpy, mlx.core, mlx_lm; from pipeline.platform import loaded_blas; print(loaded_blas())"
+    env = {**os.environ, "LD_PRELOAD": str(library)}
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("OpenBLAS") and "numpy" not in result.stdout

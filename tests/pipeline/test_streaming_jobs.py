@@ -9,7 +9,7 @@ import pytest
 from pipeline.prompting import _encode, build_prompt
 from pipeline.source import Document
 from pipeline.spec import parse_spec
-from tests.test_pipeline import invoke, job, rows  # noqa: F401  (job is a fixture)
+from tests.pipeline.helpers import invoke, rows
 from tests.tiny_model import build_tiny_model_dir
 
 

@@ -8,7 +8,7 @@ import yaml
 import velox_cache
 from pipeline.generation import Reference, generate, prefill, teacher_force
 from pipeline.spec import GenerationSpec
-from tests.test_pipeline import invoke, rows, write_corpus
+from tests.pipeline.helpers import invoke, rows, write_corpus
 from velox_cache import KVCacheBuilder, KVCacheConfig
 
 SETTINGS = GenerationSpec(max_tokens=12, temperature=0.0, seed=0, prefill_step_size=16)

@@ -5,87 +5,15 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import yaml
-from click.testing import CliRunner
 
-from pipeline.cli import cli
 from pipeline.runner import EXIT_BAD_INPUT, EXIT_DOCUMENT_FAILED, EXIT_LOCKED, JobError, run_job
 from pipeline.spec import SpecError, load_spec, parse_spec
 from pipeline.store import MIGRATIONS, Store
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def write_corpus(path, n=4, **extra_columns):
-    ids = [f"doc-{i}" for i in range(n)]
-    texts = [f"Document {i} talks about kv caches and eviction number {i}. " * 2 for i in range(n)]
-    table = pa.table({"id": ids, "text": texts, "topic": ["caches"] * n, **extra_columns})
-    pq.write_table(table, path)
-    return path
-
-
-@pytest.fixture
-def job(tmp_path, tiny_model_dir):
-    """Write a corpus and a spec; returns a function that writes the spec with changes and its path."""
-    corpus = write_corpus(tmp_path / "corpus.parquet")
-
-    def make(changes=None, **top):
-        spec = {
-            "name": "tiny-job",
-            "model": str(tiny_model_dir),
-            "input": {
-                "path": str(corpus),
-                "id_column": "id",
-                "text_column": "text",
-                "prompt_template": "About {topic}: {text}\nSummarize.",
-            },
-            "generation": {"max_tokens": 6, "prefill_step_size": 32},
-            "variants": [
-                {"name": "full", "method": "full"},
-                {"name": "pyramid", "method": "pyramidkv", "budget": 24},
-                {"name": "squeeze", "method": "squeeze", "budget": 24},
-            ],
-            "output": {"db": str(tmp_path / "store.db")},
-        }
-        for section, values in (changes or {}).items():
-            spec[section] = {**spec.get(section, {}), **values} if isinstance(values, dict) else values
-        spec.update(top)
-        path = tmp_path / "job.yaml"
-        path.write_text(yaml.safe_dump(spec))
-        return path
-
-    return make
-
-
-def rows(db, sql):
-    conn = sqlite3.connect(db)
-    try:
-        return conn.execute(sql).fetchall()
-    finally:
-        conn.close()
-
-
-def wait_until_stored(process, db, count: int, *, timeout: float = 120, what: str = "killed") -> None:
-    """Wait until ``db`` holds ``count`` document rows, while ``process`` (the run) keeps running."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        try:
-            if rows(db, "select count(*) from documents")[0][0] >= count:
-                return
-        except sqlite3.OperationalError:  # no store yet, or no table yet
-            pass
-        assert process.poll() is None, f"the run ended before it could be {what}"
-
-
-def invoke(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
+from tests.pipeline.helpers import REPO, invoke, rows, wait_until_stored, write_corpus
 
 
 def test_run_fills_every_table_and_view(job, tmp_path):
@@ -260,28 +188,6 @@ def test_overrides_select_variants_db_and_limit(job, tmp_path):
     result = invoke("run", job(), "--variant", "squeeze", "--db", other, "--limit", "2", "-q")
     assert result.exit_code == 0
     assert rows(other, "select variant, count(*) from documents group by variant") == [("squeeze", 2)]
-
-
-def test_a_store_from_before_cache_kinds_is_upgraded_in_place(tmp_path, monkeypatch):
-    import pipeline.store as store_module
-
-    db = tmp_path / "old.db"
-    layer = {"layer": 0, "layer_budget": 8, "tokens_seen": 20, "tokens_kept": 8, "kept_bytes": 64,
-             "full_seq_bytes": 160, "compression_ratio": 2.5, "concentration": 0.0}
-
-    def document(key):
-        return {"doc_key": key, "run_id": None, "document_id": key, "variant": "v", "method": "h2o", "status": "done"}
-
-    monkeypatch.setattr(store_module, "MIGRATIONS", MIGRATIONS[:5])  # main's store before m006
-    with Store(db).locked() as store:
-        store.save_document(document("old"), [layer])
-    monkeypatch.setattr(store_module, "MIGRATIONS", MIGRATIONS)
-    with Store(db).locked() as store:
-        store.save_document(document("new"), [{**layer, "cache_kind": "H2OCache", "scoring": "observed"}])
-    assert rows(db, "select name from _velox_migrations order by id")[-1] == ("m006_layer_cache_kind",)
-    assert rows(db, "select document_id, cache_kind, scoring from layer_stats order by id") == [
-        ("old", None, None), ("new", "H2OCache", "observed")]
-    assert rows(db, "select method, layer, documents from layer_summary") == [("h2o", 0, 2)]
 
 
 def test_a_second_run_on_the_same_store_is_refused(job, tmp_path):

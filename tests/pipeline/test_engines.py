@@ -16,7 +16,7 @@ from pipeline.plan import WorkItem
 from pipeline.runner import run_job
 from pipeline.spec import GenerationSpec, SpecError, load_spec, parse_spec
 from pipeline.store import MIGRATIONS, Store
-from tests.test_pipeline import invoke, job, rows  # noqa: F401 (job is a fixture)
+from tests.pipeline.helpers import invoke, rows
 
 
 def spec_with_engine(engine):
@@ -66,12 +66,12 @@ def test_the_run_row_records_the_in_process_engine(job, tmp_path):
 
 
 def test_runs_from_before_the_engine_columns_are_marked_in_process(tmp_path, monkeypatch):
-    import pipeline.store as store_module
+    import pipeline.store.migrations as migrations_module
 
-    monkeypatch.setattr(store_module, "MIGRATIONS", MIGRATIONS[:3])
+    monkeypatch.setattr(migrations_module, "MIGRATIONS", MIGRATIONS[:3])
     with Store(tmp_path / "old.db").locked() as store:
         store.start_run({"job_name": "old"})
-    monkeypatch.setattr(store_module, "MIGRATIONS", MIGRATIONS)
+    monkeypatch.setattr(migrations_module, "MIGRATIONS", MIGRATIONS)
     with Store(tmp_path / "old.db").locked():
         pass
     assert rows(tmp_path / "old.db", "select engine, workers, address from runs") == [("in-process", 1, None)]

@@ -1,0 +1,291 @@
+"""The store's numbered migrations, applied in order and recorded in ``_velox_migrations``.
+
+Each ``@migration`` function appends itself to ``MIGRATIONS``; the list is append
+only (a store records the names it applied, and a migration's number is its
+place in the list). ``migrate`` applies the ones a store has not recorded yet,
+each in one transaction.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional
+
+from .base import now
+
+if TYPE_CHECKING:  # the writer imports sqlite_utils when it opens a store (it loads pandas if installed)
+    import sqlite_utils
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = []  # append only: stores record what they applied
+
+
+def migration(function: Callable[[sqlite_utils.Database], None]) -> Callable[[sqlite_utils.Database], None]:
+    """Register ``function`` as the next migration."""
+    MIGRATIONS.append(function)
+    return function
+
+
+@migration
+def m001_tables(db: sqlite_utils.Database) -> None:
+    db["runs"].create(
+        {
+            "id": int,
+            "job_name": str,
+            "spec_path": str,
+            "spec": str,
+            "spec_hash": str,
+            "model": str,
+            "velox_version": str,
+            "mlx_version": str,
+            "mlx_lm_version": str,
+            "device": str,
+            "host": str,
+            "started_at": str,
+            "ended_at": str,
+            "status": str,
+            "documents_total": int,
+            "documents_done": int,
+            "documents_skipped": int,
+            "documents_failed": int,
+            "documents_unchanged": int,
+        },
+        pk="id",
+    )
+    db["documents"].create(
+        {
+            "id": int,
+            "doc_key": str,
+            "run_id": int,
+            "document_id": str,
+            "content_hash": str,
+            "settings_hash": str,
+            "variant": str,
+            "method": str,
+            "budget": int,
+            "scoring": str,
+            "status": str,
+            "error": str,
+            "output": str,
+            "prompt_tokens": int,
+            "truncated": int,
+            "output_tokens": int,
+            "prefill_seconds": float,
+            "decode_seconds": float,
+            "prefill_tokens_per_second": float,
+            "decode_tokens_per_second": float,
+            "peak_memory_bytes": int,
+            "stop_reason": str,
+            "kept_bytes": int,
+            "full_seq_bytes": int,
+            "compression_ratio": float,
+            "rouge_l_vs_full": float,
+            "created_at": str,
+        },
+        pk="id",
+        foreign_keys=[("run_id", "runs", "id")],
+    )
+    db["documents"].create_index(["doc_key"], unique=True)
+    db["documents"].create_index(["document_id", "content_hash", "settings_hash"])
+    db["layer_stats"].create(
+        {
+            "id": int,
+            "document_row": int,
+            "run_id": int,
+            "document_id": str,
+            "variant": str,
+            "method": str,
+            "layer": int,
+            "layer_budget": int,
+            "tokens_seen": int,
+            "tokens_kept": int,
+            "kept_bytes": int,
+            "full_seq_bytes": int,
+            "compression_ratio": float,
+            "concentration": float,
+        },
+        pk="id",
+        foreign_keys=[("document_row", "documents", "id"), ("run_id", "runs", "id")],
+    )
+    db["layer_stats"].create_index(["document_row"])
+    db["documents"].enable_fts(["output", "document_id", "variant"], create_triggers=True)
+
+
+@migration
+def m002_views(db: sqlite_utils.Database) -> None:
+    db.create_view(
+        "run_summary",
+        """
+        select r.id as run_id, r.job_name, r.started_at, r.ended_at, r.status,
+               r.documents_done, r.documents_skipped, r.documents_failed, r.documents_unchanged,
+               count(d.id) as rows_written,
+               round(avg(d.prefill_tokens_per_second), 1) as mean_prefill_tps,
+               round(avg(d.decode_tokens_per_second), 1) as mean_decode_tps,
+               round(sum(d.prefill_seconds + d.decode_seconds), 1) as generation_seconds
+        from runs r left join documents d on d.run_id = r.id and d.status = 'done'
+        group by r.id order by r.id desc
+        """,
+    )
+    db.create_view(
+        "method_summary",
+        """
+        select method, variant, budget, count(*) as documents,
+               round(avg(compression_ratio), 2) as mean_compression_ratio,
+               round(avg(rouge_l_vs_full), 3) as mean_rouge_l_vs_full,
+               round(avg(prefill_tokens_per_second), 1) as mean_prefill_tps,
+               round(avg(decode_tokens_per_second), 1) as mean_decode_tps,
+               round(avg(peak_memory_bytes) / 1048576.0, 1) as mean_peak_mib
+        from documents where status = 'done'
+        group by method, variant, budget order by method, budget
+        """,
+    )
+    db.create_view(
+        "layer_summary",
+        """
+        select method, variant, layer, count(*) as documents,
+               round(avg(layer_budget), 1) as mean_budget,
+               round(avg(tokens_kept), 1) as mean_tokens_kept,
+               round(avg(compression_ratio), 2) as mean_compression_ratio,
+               round(avg(concentration), 3) as mean_concentration
+        from layer_stats group by method, variant, layer order by method, variant, layer
+        """,
+    )
+
+
+@migration
+def m003_latest_rows(db: sqlite_utils.Database) -> None:
+    """Mark each document × variant's latest row; views read only those; runs get an error column."""
+    db["documents"].add_column("prompt_hash", str)
+    db["documents"].add_column("is_latest", int, not_null_default=1)
+    db["runs"].add_column("error", str)
+    db.execute(
+        "update documents set is_latest = 0 where id not in "
+        "(select max(id) from documents group by document_id, variant)"
+    )
+    db["documents"].create_index(["document_id", "variant", "is_latest"])
+    db["documents"].create_index(["document_id", "prompt_hash", "settings_hash"])
+    db.create_view("latest_documents", "select * from documents where is_latest = 1")
+    db.create_view(
+        "run_summary",
+        """
+        select r.id as run_id, r.job_name, r.started_at, r.ended_at, r.status,
+               r.documents_done, r.documents_skipped, r.documents_failed, r.documents_unchanged,
+               count(d.id) as rows_written,
+               round(avg(d.prefill_tokens_per_second), 1) as mean_prefill_tps,
+               round(avg(d.decode_tokens_per_second), 1) as mean_decode_tps,
+               round(sum(d.prefill_seconds + d.decode_seconds), 1) as generation_seconds,
+               r.error
+        from runs r left join documents d on d.run_id = r.id and d.status = 'done'
+        group by r.id order by r.id desc
+        """,
+        replace=True,
+    )
+    db.create_view(
+        "method_summary",
+        """
+        select method, variant, budget, count(*) as documents,
+               round(avg(compression_ratio), 2) as mean_compression_ratio,
+               round(avg(rouge_l_vs_full), 3) as mean_rouge_l_vs_full,
+               round(avg(prefill_tokens_per_second), 1) as mean_prefill_tps,
+               round(avg(decode_tokens_per_second), 1) as mean_decode_tps,
+               round(avg(peak_memory_bytes) / 1048576.0, 1) as mean_peak_mib
+        from documents where status = 'done' and is_latest = 1
+        group by method, variant, budget order by method, budget
+        """,
+        replace=True,
+    )
+    db.create_view(
+        "layer_summary",
+        """
+        select l.method, l.variant, l.layer, count(*) as documents,
+               round(avg(l.layer_budget), 1) as mean_budget,
+               round(avg(l.tokens_kept), 1) as mean_tokens_kept,
+               round(avg(l.compression_ratio), 2) as mean_compression_ratio,
+               round(avg(l.concentration), 3) as mean_concentration
+        from layer_stats l join documents d on d.id = l.document_row and d.is_latest = 1
+        group by l.method, l.variant, l.layer order by l.method, l.variant, l.layer
+        """,
+        replace=True,
+    )
+
+
+@migration
+def m004_fidelity(db: sqlite_utils.Database) -> None:
+    """Teacher-forced fidelity to the full cache per compressed row; the full row's tokens to force."""
+    documents = db["documents"]
+    documents.add_column("agreement_vs_full", float)
+    documents.add_column("nll_gap_vs_full", float)
+    documents.add_column("fidelity_seconds", float)
+    documents.add_column("output_token_ids", str)  # JSON list: what teacher forcing feeds
+    documents.add_column("output_logprobs", str)  # JSON list: each output token's log-probability
+    db.create_view(
+        "run_summary",
+        """
+        select r.id as run_id, r.job_name, r.started_at, r.ended_at, r.status,
+               r.documents_done, r.documents_skipped, r.documents_failed, r.documents_unchanged,
+               count(d.id) as rows_written,
+               round(avg(d.prefill_tokens_per_second), 1) as mean_prefill_tps,
+               round(avg(d.decode_tokens_per_second), 1) as mean_decode_tps,
+               round(sum(d.prefill_seconds + d.decode_seconds), 1) as generation_seconds,
+               round(avg(d.agreement_vs_full), 3) as mean_agreement_vs_full,
+               round(avg(d.nll_gap_vs_full), 3) as mean_nll_gap_vs_full,
+               r.error
+        from runs r left join documents d on d.run_id = r.id and d.status = 'done'
+        group by r.id order by r.id desc
+        """,
+        replace=True,
+    )
+    db.create_view(
+        "method_summary",
+        """
+        select method, variant, budget, count(*) as documents,
+               round(avg(compression_ratio), 2) as mean_compression_ratio,
+               round(avg(agreement_vs_full), 3) as mean_agreement_vs_full,
+               round(min(agreement_vs_full), 3) as worst_agreement_vs_full,
+               round(avg(nll_gap_vs_full), 3) as mean_nll_gap_vs_full,
+               round(avg(rouge_l_vs_full), 3) as mean_rouge_l_vs_full,
+               round(avg(prefill_tokens_per_second), 1) as mean_prefill_tps,
+               round(avg(decode_tokens_per_second), 1) as mean_decode_tps,
+               round(avg(peak_memory_bytes) / 1048576.0, 1) as mean_peak_mib
+        from documents where status = 'done' and is_latest = 1
+        group by method, variant, budget order by method, budget
+        """,
+        replace=True,
+    )
+
+
+@migration
+def m005_run_engine(db: sqlite_utils.Database) -> None:
+    """Where each run's documents ran: ``engine`` (in-process or ray), ``workers``, ``address`` (ray's)."""
+    db["runs"].add_column("engine", str)
+    db["runs"].add_column("workers", int)
+    db["runs"].add_column("address", str)
+    db.execute("update runs set engine = 'in-process', workers = 1")
+
+
+@migration
+def m006_layer_cache_kind(db: sqlite_utils.Database) -> None:
+    """Which cache each layer had (``PyramidKVCache``, ``RotatingKVCache``, ...) and how it scored tokens."""
+    db["layer_stats"].add_column("cache_kind", str)
+    db["layer_stats"].add_column("scoring", str)
+
+
+def migrate(db: sqlite_utils.Database, *, transaction: Optional[Callable] = None) -> list[str]:
+    """Apply the migrations not yet recorded, each in one transaction; returns the names applied.
+
+    A migration interrupted at any point (even by kill -9) leaves no trace, so the
+    next start applies it again from the beginning. ``transaction`` is a context
+    manager factory for one write transaction (default ``db.atomic``).
+    """
+    transaction = transaction or db.atomic
+    with transaction():
+        db["_velox_migrations"].create({"id": int, "name": str, "applied_at": str}, pk="id", if_not_exists=True)
+    done = {row["name"] for row in db["_velox_migrations"].rows}
+    applied = []
+    for number, step in enumerate(MIGRATIONS, 1):
+        if step.__name__ in done:
+            continue
+        with transaction():
+            step(db)
+            db["_velox_migrations"].insert({"id": number, "name": step.__name__, "applied_at": now()})
+        applied.append(step.__name__)
+    return applied
+
