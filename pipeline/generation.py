@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
 
 import velox_cache
 from velox_cache import KVCacheBuilder, KVCacheConfig, prefill_phases, snapshot
@@ -23,6 +22,7 @@ from velox_cache.observe import can_route
 
 from .prompting import Prompt
 from .reference import Reference
+from .sampling import TokenChoice, log_softmax
 from .spec import GenerationSpec
 
 
@@ -108,7 +108,7 @@ def generate(
         prompt = Prompt(list(prompt), document_start=start, document_end=end)
     prompt_tokens = prompt.tokens
     caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(prompt_tokens))
-    sampler = make_sampler(temp=settings.temperature, top_p=settings.top_p)
+    choice = TokenChoice(settings, prompt_tokens)
     eos = set(tokenizer.eos_token_ids)
     mx.random.seed(settings.seed)
     mx.clear_cache()
@@ -126,14 +126,14 @@ def generate(
             chunk_size=settings.prefill_step_size,
             max_new_tokens=settings.max_tokens,
         )
-        first_logprobs = _logprobs(logits)
+        first_logprobs = choice.logprobs(logits)
         prefill_seconds = time.perf_counter() - start
         prefill_end = snapshot(caches) if reference is not None else None
         start = time.perf_counter()
         token_logprobs = first_logprobs
         stop_reason = "max_tokens"
         while True:
-            token = sampler(token_logprobs).item()
+            token = choice.choose(token_logprobs)
             if token in eos:
                 stop_reason = "eos"
                 break
@@ -141,12 +141,13 @@ def generate(
             logprobs.append(token_logprobs[0, token].item())
             if len(generated) >= settings.max_tokens:
                 break
-            token_logprobs = _logprobs(model(mx.array([[token]]), cache=caches)[:, -1, :])
+            choice.accept(token)
+            token_logprobs = choice.logprobs(model(mx.array([[token]]), cache=caches)[:, -1, :])
         decode_seconds = time.perf_counter() - start
         peak_memory = mx.get_peak_memory()
         fidelity = None
         if reference is not None:
-            fidelity = teacher_force(model, prefill_end, first_logprobs, reference)
+            fidelity = teacher_force(model, prefill_end, first_logprobs, reference, choice=choice)
     return GenerationResult(
         output=tokenizer.decode(generated),
         prompt_tokens=len(prompt_tokens),
@@ -162,7 +163,9 @@ def generate(
     )
 
 
-def teacher_force(model, caches, first_logprobs: mx.array, reference: Reference) -> Fidelity:
+def teacher_force(
+    model, caches, first_logprobs: mx.array, reference: Reference, *, choice: Optional[TokenChoice] = None
+) -> Fidelity:
     """Feed ``reference`` to ``caches`` (as they were when prefill ended) and compare predictions.
 
     ``first_logprobs`` ``[1, V]`` are the prefill's last-position log-probabilities,
@@ -178,10 +181,12 @@ def teacher_force(model, caches, first_logprobs: mx.array, reference: Reference)
     n = len(tokens)
     if n == 0:
         return Fidelity(agreement=1.0, nll_gap=0.0, seconds=time.perf_counter() - start)
-    predicted = [first_logprobs]
-    if n > 1:
-        predicted.append(_logprobs(model(mx.array([tokens[:-1]]), cache=caches)[0]))
-    logprobs = mx.concatenate(predicted, axis=0)  # [n, V]: row i predicts reference token i
+    logits = model(mx.array([tokens[:-1]]), cache=caches)[0] if n > 1 else None
+    if choice is not None:  # the free-running output's logits processors (repetition penalty), same history
+        logprobs = choice.forced_logprobs(first_logprobs, logits, tokens)
+    else:
+        logprobs = mx.concatenate([first_logprobs] + ([] if logits is None else [log_softmax(logits)]), axis=0)
+    # logprobs [n, V]: row i predicts reference token i
     targets = mx.array(tokens)
     matches = (mx.argmax(logprobs, axis=-1) == targets).sum().item()
     token_logprobs = mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
@@ -201,12 +206,6 @@ def prefill(model, prompt_tokens, caches, step: int) -> mx.array:
         model(prompt[None, begin : min(begin + step, prompt.size - 1)], cache=caches)
         mx.eval([c.state for c in caches])
     return model(prompt[None, -1:], cache=caches)[:, -1, :]
-
-
-def _logprobs(logits: mx.array) -> mx.array:
-    """Log-probabilities (float32) from logits ``[..., V]``."""
-    logits = logits.astype(mx.float32)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def _layer_row(layer: int, cache) -> dict:

@@ -74,6 +74,15 @@ def validate(spec: JobSpec) -> None:
         raise SpecError(f"generation.seed: must be in [0, 2**64), got {gen.seed}")
     if gen.prefill_step_size < 1:
         raise SpecError(f"generation.prefill_step_size: must be at least 1, got {gen.prefill_step_size}")
+    if gen.top_k < 0:
+        raise SpecError(f"generation.top_k: must be at least 0 (0: off), got {gen.top_k}")
+    if not 0 <= gen.min_p <= 1:
+        raise SpecError(f"generation.min_p: must be in [0, 1] (0: off), got {gen.min_p}")
+    penalty = gen.repetition_penalty
+    if penalty is not None and not (math.isfinite(penalty) and penalty > 0):
+        raise SpecError(f"generation.repetition_penalty: must be a positive number (1 or unset: off), got {penalty}")
+    if gen.repetition_context_size < 1:
+        raise SpecError(f"generation.repetition_context_size: must be at least 1, got {gen.repetition_context_size}")
     if lim.on_too_long is None:
         lim.on_too_long = "fail" if inp.prompt_column else "truncate"
     if lim.on_too_long not in ON_TOO_LONG:

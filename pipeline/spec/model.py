@@ -41,11 +41,35 @@ class InputSpec:
 
 @dataclass
 class GenerationSpec:
+    """How each document is decoded: mlx-lm's sampling settings, its repetition penalty, prefill chunks.
+
+    ``top_k`` 0 and ``min_p`` 0 are off; ``repetition_penalty`` None (or 1) is off, else
+    it penalises the last ``repetition_context_size`` tokens (prompt included), as
+    ``mlx_lm.generate`` does.
+    """
+
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
     prefill_step_size: int = 256
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: Optional[float] = None
+    repetition_context_size: int = 20
+
+    def hashed(self) -> dict:
+        """The settings as hashed into stored keys: fields added later count only when set.
+
+        A spec that leaves them at their defaults keeps the keys it had before they
+        existed, so a store's documents are not redone by an upgrade.
+        """
+        values = dataclasses.asdict(self)
+        return {k: v for k, v in values.items() if k not in HASHED_WHEN_SET or v != HASHED_WHEN_SET[k]}
+
+
+# GenerationSpec fields that came after stores existed, with the default that leaves them out of hashes.
+HASHED_WHEN_SET = {"top_k": 0, "min_p": 0.0, "repetition_penalty": None, "repetition_context_size": 20}
 
 
 @dataclass
@@ -99,7 +123,7 @@ class JobSpec:
         settings = {
             "model": self.model,
             "input": {k: v for k, v in dataclasses.asdict(self.input).items() if k != "path"},
-            "generation": dataclasses.asdict(self.generation),
+            "generation": self.generation.hashed(),
             "limits": {k: v for k, v in dataclasses.asdict(self.limits).items() if k != "max_documents"},
         }
         return _hash(settings)
@@ -111,7 +135,7 @@ class JobSpec:
         generation settings; limits are left out: they decide the prompt, and the
         prompt's own tokens are hashed separately.
         """
-        return _hash({"model": self.model, "generation": dataclasses.asdict(self.generation), **extra})
+        return _hash({"model": self.model, "generation": self.generation.hashed(), **extra})
 
     def as_dict(self) -> dict:
         data = dataclasses.asdict(self)
