@@ -9,10 +9,11 @@ import velox_cache
 from pipeline.generation import Reference, generate, prefill, teacher_force
 from pipeline.spec import GenerationSpec
 from tests.pipeline.helpers import invoke, rows, write_corpus
+from tests.velox_cache.policies import EVICTING_METHODS
 from velox_cache import KVCacheBuilder, KVCacheConfig
 
 SETTINGS = GenerationSpec(max_tokens=12, temperature=0.0, seed=0, prefill_step_size=16)
-COMPRESSED = ["pyramidkv", "squeeze", "snapkv", "h2o", "tova", "streaming"]
+COMPRESSED = EVICTING_METHODS  # every evicting policy, from the one policy table
 
 
 def _prompt(tokenizer, n=70):
