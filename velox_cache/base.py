@@ -174,18 +174,17 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
             keys, values = keys.astype(slots.keys.dtype), values.astype(slots.values.dtype)
         if n_new == 1 and progress.prefilling and slots.offset > 0 and progress.told is None:
             self._end_prefill()  # never told: the prompt's last token, as mlx_lm.generate feeds it
-        document_chunk = progress.in_prefill_chunk and progress.in_document
-        if document_chunk and self.timing.selection_due():
-            self._select_by_window()
+        document_chunk = self.progress.in_document_chunk
+        self._select_if_due()
         budget = self.allocation.budget()
         if n_new == 1 and self._evicting_now():
             self._evict_to(budget)
             if slots.stored == budget:
                 slots.replace_lowest(keys, values, budget)
             else:
-                self._append(keys, values)
+                self._append(keys, values, budget)
         else:
-            self._append(keys, values)
+            self._append(keys, values, budget)
         slots.offset += n_new
         if not progress.in_probe:
             slots.tokens_seen += n_new
@@ -204,6 +203,7 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
             )
         if N == 1:
             return None
+        self._select_if_due()  # before the keys the mask covers are counted
         if return_array:
             self.shared_mask.record(self.layer_id, self.offset, N, self.slots.stored + N)
             return create_causal_mask(N, self.slots.stored)
@@ -258,9 +258,9 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
     def _evicting_now(self) -> bool:
         return not self.progress.in_probe and self.timing.evicts(self.progress.prefilling)
 
-    def _append(self, keys: mx.array, values: mx.array) -> None:
+    def _append(self, keys: mx.array, values: mx.array, budget: int) -> None:
         grows_in_steps = not self._evicting_now() and self.timing.grows_in_steps(self.progress.prefilling)
-        spare = self.slots.spare_for(keys.shape[2], budget=self.allocation.budget(), in_steps=grows_in_steps)
+        spare = self.slots.spare_for(keys.shape[2], budget=budget, in_steps=grows_in_steps)
         self.slots.append(keys, values, self.slots.offset, spare)
 
     def _evict_to(self, budget: int) -> None:
@@ -282,6 +282,11 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
             return
         keys, _ = self.slots.held()
         self._rank_and_evict(self.selector.scores(keys, self.slots.held_positions(), scale=self._window_scale()))
+
+    def _select_if_due(self) -> None:
+        """Streaming: the last chunk's window selection, when the next document chunk is about to come."""
+        if self.progress.in_document_chunk and self.timing.selection_due():
+            self._select_by_window()
 
     def _end_prefill(self) -> None:
         self.progress.prefilling = False

@@ -41,12 +41,6 @@ def known_methods() -> tuple:
     return tuple(POLICIES)
 
 
-def __getattr__(name: str):
-    if name == "METHODS":  # derived from the registry, which imports this module
-        return known_methods()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
 

@@ -101,6 +101,11 @@ class LayerPhase:
         """A document chunk (or, never told, any prefill call)."""
         return self.probe is None and self.told in (None, Phase.DOCUMENT)
 
+    @property
+    def in_document_chunk(self) -> bool:
+        """A prefill call of the document (streaming ranks what it held before each one)."""
+        return self.in_prefill_chunk and self.in_document
+
     def tell(self, phase: Phase) -> bool:
         """The next calls belong to ``phase`` (not a probe); True when this ends prefill."""
         if phase is Phase.PROBE:

@@ -39,7 +39,7 @@ class TokenSlots:
     (at most ``budget - n_sink - 1``) are never evicted.
     """
 
-    def __init__(self, signal=None, n_sink: int = 0, recent: int = 0):
+    def __init__(self, signal, n_sink: int, recent: int):
         self.signal = signal
         self.n_sink = n_sink
         self.recent = recent

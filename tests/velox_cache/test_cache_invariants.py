@@ -9,10 +9,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 
 import velox_cache
-from velox_cache import KVCacheBuilder, KVCacheConfig, KVCacheFactory
+from velox_cache import KVCacheBuilder, KVCacheConfig, KVCacheFactory, Phase
 from velox_cache.policies import POLICIES
 
-from .policies import EVICTING, EVICTING_METHODS, POLICY_CONFIGS, SCORINGS
+from .policies import EVICTING, EVICTING_METHODS, POLICY_CONFIGS, SCORINGS, STREAMING_METHODS
 B, H, GROUP, D = 1, 2, 2, 16
 
 
@@ -65,6 +65,49 @@ def test_offset_budget_and_returned_keys(method, scoring):
         assert ((held == 0).any(axis=-1) & (held == 1).any(axis=-1)).all(), "sinks never evicted"
 
     drive(cache, [10, 17, 30, 5], 40, scoring, check)
+
+
+def _kept_arrays(part, name="cache"):
+    """Every array a cache or one of its per-sequence parts keeps, with where it is kept."""
+    from velox_cache.snapshot import PER_SEQUENCE
+
+    for field, value in vars(part).items():
+        if field == "_pending_keys":
+            continue  # the input keys of a call still awaiting its observation, not kept state
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for item in values:
+            if isinstance(item, mx.array):
+                yield f"{name}.{field}", item
+            elif isinstance(item, PER_SEQUENCE):
+                yield from _kept_arrays(item, f"{name}.{field}")
+
+
+def _check_state_reaches_everything(cache, *_):
+    state = {id(a) for a in cache.state}
+    missing = [where for where, array in _kept_arrays(cache) if id(array) not in state]
+    assert not missing, f"kept outside state: {missing}"
+
+
+@pytest.mark.parametrize("scoring", SCORINGS)
+@pytest.mark.parametrize("method", EVICTING)
+def test_every_kept_array_is_reachable_from_state(method, scoring):
+    """mlx-lm evaluates ``state`` after each chunk: an array kept outside it grows a lazy graph."""
+    mx.random.seed(4)
+    cache = KVCacheFactory.create(KVCacheConfig(**POLICY_CONFIGS[method], budget=24, n_sink=2, scoring=scoring))
+    drive(cache, [10, 17, 30], 6, scoring, _check_state_reaches_everything)
+
+
+@pytest.mark.parametrize("scoring", SCORINGS)
+@pytest.mark.parametrize("method", STREAMING_METHODS)
+def test_a_streaming_probe_keeps_nothing_outside_state(method, scoring):
+    mx.random.seed(5)
+    config = KVCacheConfig(method=method, budget=24, n_sink=2, eviction="streaming", scoring=scoring)
+    cache = KVCacheFactory.create(config)
+    drive(cache, [10, 17, 30], 0, scoring, _check_state_reaches_everything)
+    cache.begin_phase(Phase.PROBE)
+    _scored(cache, mx.random.normal((B, H, 5, D)), mx.random.normal((B, H, 5, D)), scoring)
+    _check_state_reaches_everything(cache)
+    assert cache.phase is Phase.PROBE and any(a is cache.progress.probe_scores for a in cache.state)
 
 
 @pytest.mark.parametrize("scoring", SCORINGS)

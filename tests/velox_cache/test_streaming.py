@@ -277,3 +277,16 @@ def test_a_context_too_small_for_budget_chunk_and_probe_is_a_clear_error(tiny_mo
 def test_streaming_misconfigurations_name_the_field(changes, field):
     with pytest.raises(velox_cache.ConfigError, match=field):
         KVCacheConfig(**changes)
+
+
+@pytest.mark.parametrize("method", STREAMING)
+def test_an_array_mask_covers_the_keys_after_the_chunks_selection(method):
+    """A document chunk first evicts the last chunk to budget: the mask made before it must count that."""
+    cache = _streaming_cache(method, 12)
+    mx.random.seed(6)
+    for n_new in (20, 16, 16):
+        keys = mx.random.normal((1, 2, n_new, 16))
+        mask = cache.make_mask(n_new, return_array=True)
+        held, _ = cache.update_and_fetch(keys, keys)
+        assert mask.shape[-1] == held.shape[2]
+    assert cache.tokens_kept < cache.offset, "the selections evicted"
