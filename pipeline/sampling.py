@@ -32,14 +32,15 @@ class TokenChoice:
         self.processors = make_logits_processors(
             repetition_penalty=settings.repetition_penalty, repetition_context_size=settings.repetition_context_size
         )
+        self.context_size = settings.repetition_context_size  # the processors read no further back
         self.prompt = list(prompt_tokens)
         self.history = list(self.prompt)  # the prompt, then every token generated
 
     def logprobs(self, logits: mx.array, history=None) -> mx.array:
         """Log-probabilities ``[1, V]`` of the next token after ``history`` (default: this sequence's)."""
-        logits = logits.astype(mx.float32)
         if self.processors:
-            tokens = mx.array(self.history if history is None else history)
+            logits = logits.astype(mx.float32)
+            tokens = mx.array((self.history if history is None else history)[-self.context_size :])
             for processor in self.processors:
                 logits = processor(tokens, logits)
         return log_softmax(logits)
