@@ -1,0 +1,146 @@
+"""Batched decoding: B prefilled stacks decode together and leave what decoding each alone leaves."""
+
+import contextlib
+
+import mlx.core as mx
+import pytest
+
+import velox_cache
+from velox_cache import KVCacheBuilder, KVCacheConfig, prefill_phases, snapshot
+from velox_cache.accounting import layer_stats
+from velox_cache.batching import BatchUnsupported, BatchedLayer
+from velox_cache.decode import DecodeRow, decode_rows
+from velox_cache.sampling import TokenSampler
+
+from .policies import POLICY_CONFIGS, POLICY_TABLE, SCORINGS
+
+LENGTHS = (70, 45, 18)  # the last row stays below a budget of 24
+MAX_TOKENS = (9, 4, 7)  # one row stops early
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return mx.random.randint(3, 200, (length,), key=mx.random.key(seed)).tolist()
+
+
+def _routing(model, config: KVCacheConfig):
+    if config.method != "full" and config.scoring == "observed":
+        return velox_cache.observe(model)
+    return velox_cache.fast_attention(model)
+
+
+def _row(model, tokens, config, max_tokens, eos=(), **sampling) -> DecodeRow:
+    caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(tokens))
+    with _routing(model, config):
+        logits = prefill_phases(
+            model, caches, document=tokens[:-6], instruction=tokens[-6:], chunk_size=16, max_new_tokens=max_tokens
+        )
+    sampler = TokenSampler(tokens, **sampling)
+    return DecodeRow(caches, sampler, sampler.logprobs(logits), max_tokens, frozenset(eos))
+
+
+def _decode(model, configs, *, batch, eos=None, **sampling):
+    rows = [
+        _row(model, _prompt(length, i), config, limit, (eos or {}).get(i, ()), seed=i, **sampling)
+        for i, (length, limit, config) in enumerate(zip(LENGTHS, MAX_TOKENS, configs))
+    ]
+    with _routing(model, configs[0]):
+        decode_rows(model, rows, batch=batch)
+    return rows
+
+
+def _stats(row):
+    return [layer_stats(i, cache) for i, cache in enumerate(row.caches)]
+
+
+def _assert_same(alone, together):
+    for one, batched in zip(alone, together):
+        assert batched.tokens == one.tokens
+        assert batched.stop_reason == one.stop_reason
+        assert batched.token_logprobs == pytest.approx(one.token_logprobs, abs=1e-4)
+        assert _stats(batched) == _stats(one)
+        for a, b in zip(one.caches, batched.caches):
+            if hasattr(a, "slots"):
+                assert a.slots.capacity == b.slots.capacity
+                assert mx.array_equal(a.positions, b.positions).item()
+                assert mx.allclose(a.keys, b.keys, atol=1e-4).item()
+                assert mx.allclose(a.scores, b.scores, atol=1e-4).item()
+            else:
+                assert a.keys.shape == b.keys.shape and mx.allclose(a.keys, b.keys, atol=1e-4).item()
+
+
+def _configs(fields, scoring):
+    return [KVCacheConfig(**{**fields, "budget": 24, "scoring": scoring}) for _ in LENGTHS]
+
+
+@pytest.mark.parametrize("attention", ["fast", "exact"])
+@pytest.mark.parametrize("scoring", SCORINGS)
+@pytest.mark.parametrize("policy", [name for name, _ in POLICY_TABLE])
+def test_batched_greedy_decoding_equals_one_at_a_time(tiny_model, policy, scoring, attention, monkeypatch):
+    monkeypatch.setenv("VELOX_ATTENTION", attention)
+    model, _ = tiny_model
+    configs = _configs(POLICY_CONFIGS[policy], scoring)
+    alone = _decode(model, configs, batch=False)
+    together = _decode(model, configs, batch=True)
+    assert max(row.batch_size for row in together) == len(LENGTHS)
+    _assert_same(alone, together)
+
+
+def test_mixed_squeeze_and_pyramid_rows_and_a_row_stopping_at_eos(tiny_model):
+    model, _ = tiny_model
+    configs = [
+        KVCacheConfig(method="squeeze", budget=24, scoring="observed"),
+        KVCacheConfig(method="pyramidkv", budget=24, scoring="observed"),
+        KVCacheConfig(method="squeeze", budget=16, scoring="observed"),
+    ]
+    first = _decode(model, configs, batch=False)
+    eos = {0: (first[0].tokens[2],)}  # row 0 stops at its third token
+    alone = _decode(model, configs, batch=False, eos=eos)
+    assert alone[0].stop_reason == "eos"
+    _assert_same(alone, _decode(model, configs, batch=True, eos=eos))
+
+
+def test_full_rows_batch_and_grow_as_mlx_lm_caches_do(tiny_model):
+    model, _ = tiny_model
+    configs = [KVCacheConfig(method="full") for _ in LENGTHS]
+    _assert_same(_decode(model, configs, batch=False), _decode(model, configs, batch=True))
+
+
+def test_sampled_rows_draw_the_same_tokens_in_a_batch(tiny_model):
+    model, _ = tiny_model
+    configs = _configs(POLICY_CONFIGS["pyramidkv"], "observed")
+    settings = dict(temperature=0.8, top_k=20, repetition_penalty=1.2)
+    alone = _decode(model, configs, batch=False, **settings)
+    _assert_same(alone, _decode(model, configs, batch=True, **settings))
+    assert len({tuple(row.tokens) for row in alone}) > 1
+
+
+def test_a_cache_still_in_prefill_cannot_batch(tiny_model):
+    model, _ = tiny_model
+    config = KVCacheConfig(method="pyramidkv", budget=24)
+    caches = KVCacheBuilder.for_model(model, config, prompt_tokens=40)
+    with velox_cache.fast_attention(model):
+        model(mx.array([_prompt(40, 0)]), cache=caches)
+    with pytest.raises(BatchUnsupported, match="prefill"):
+        BatchedLayer([caches[0], caches[0]])
+
+
+def test_unrouted_batches_decode_alone_with_the_same_tokens(tiny_model):
+    model, _ = tiny_model
+    configs = _configs(POLICY_CONFIGS["h2o"], "key_proxy")
+    alone = _decode(model, configs, batch=False)
+    rows = [_row(model, _prompt(n, i), c, m, seed=i) for i, (n, m, c) in enumerate(zip(LENGTHS, MAX_TOKENS, configs))]
+    decode_rows(model, rows, batch=True)  # no routing context: the batch cannot mask its padding
+    assert all(row.batch_size == 1 for row in rows)
+    _assert_same(alone, rows)
+
+
+def test_prefill_end_snapshot_is_untouched_by_batched_decoding(tiny_model):
+    model, _ = tiny_model
+    configs = _configs(POLICY_CONFIGS["snapkv"], "observed")
+    rows = [_row(model, _prompt(n, i), c, m, seed=i) for i, (n, m, c) in enumerate(zip(LENGTHS, MAX_TOKENS, configs))]
+    kept = [snapshot(row.caches) for row in rows]
+    before = [[mx.array(c.keys) for c in stack] for stack in kept]
+    with velox_cache.observe(model):
+        decode_rows(model, rows, batch=True)
+    for stack, keys in zip(kept, before):
+        assert all(mx.array_equal(c.keys, k).item() for c, k in zip(stack, keys))
