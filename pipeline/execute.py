@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from . import model_store
-from .generation import GenerationResult, generate
+from .generation import GenerationResult, generate_together, prefill_variant
 from .plan import WorkItem
 from .platform import set_blas_threads
 from .reference import Reference
@@ -34,27 +34,74 @@ def execute(model, tokenizer, item: WorkItem) -> list[VariantOutcome]:
     a streaming variant whose prompt differs (``item.streamed``) has no reference.
     Each variant is prefilled by phases with its prompt's split.
     """
-    outcomes = []
-    reference = item.reference
-    for variant in item.variants:
-        is_full = variant.cache.method == "full"
-        prompt = item.prompt_for(variant)
-        own_prompt = item.streamed is not None and prompt is item.streamed  # reads more than the full variant
-        try:
-            result = generate(
-                model, tokenizer, prompt.tokens, variant.cache, item.generation,
-                reference=None if is_full or own_prompt else reference,
-                document_span=(prompt.document_start, prompt.document_end),
-            )
-        except Exception as exc:  # one bad document must not stop the night's run
-            outcomes.append(VariantOutcome(variant.name, error=f"{type(exc).__name__}: {exc}"))
-            if is_full:
-                reference = None
-        else:
-            outcomes.append(VariantOutcome(variant.name, result=result))
-            if is_full:
-                reference = Reference.of_output(result.token_ids, result.logprobs)
-    return outcomes
+    return execute_group(model, tokenizer, [item])[0]
+
+
+def execute_group(model, tokenizer, items: list[WorkItem]) -> list[list[VariantOutcome]]:
+    """``execute`` for several documents at once, their variants decoding in batches; outcomes per item.
+
+    Variant by variant (the full cache first, so that its outputs are the
+    references of the others), each due document is prefilled in turn and the
+    prefilled ones decode together: ``generation.decode_batch_size`` of them,
+    fewer once their caches hold ``generation.decode_batch_memory_mb``. The
+    outcomes are those ``execute`` gives each item alone (timings aside).
+    """
+    if not items:
+        return []
+    settings = items[0].generation
+    cap = settings.decode_batch_memory_mb * 2**20
+    outcomes = {item.index: {} for item in items}
+    references = {item.index: item.reference for item in items}
+    names = list(dict.fromkeys(variant.name for item in items for variant in item.variants))
+    for name in names:
+        pending = []
+        for item in items:
+            variant = next((v for v in item.variants if v.name == name), None)
+            if variant is None:
+                continue
+            run = _prefill(model, tokenizer, item, variant, references, outcomes)
+            if run is not None:
+                pending.append((item, variant, run))
+            if len(pending) >= settings.decode_batch_size or sum(r.held_bytes for _, _, r in pending) >= cap:
+                _decode(model, tokenizer, pending, references, outcomes)
+                pending = []
+        _decode(model, tokenizer, pending, references, outcomes)
+    return [[outcomes[item.index][variant.name] for variant in item.variants] for item in items]
+
+
+def _prefill(model, tokenizer, item, variant, references, outcomes):
+    is_full = variant.cache.method == "full"
+    prompt = item.prompt_for(variant)
+    own_prompt = item.streamed is not None and prompt is item.streamed
+    try:
+        return prefill_variant(
+            model, tokenizer, prompt.tokens, variant.cache, item.generation,
+            reference=None if is_full or own_prompt else references[item.index],
+            document_span=(prompt.document_start, prompt.document_end),
+        )
+    except Exception as exc:  # one bad document must not stop the night's run
+        outcomes[item.index][variant.name] = VariantOutcome(variant.name, error=f"{type(exc).__name__}: {exc}")
+        if is_full:
+            references[item.index] = None
+        return None
+
+
+def _decode(model, tokenizer, pending, references, outcomes) -> None:
+    if not pending:
+        return
+    try:
+        results = generate_together(model, tokenizer, [run for _, _, run in pending])
+    except Exception as exc:  # the batch failed as one: each of its variants failed
+        results = [f"{type(exc).__name__}: {exc}"] * len(pending)
+    for (item, variant, _), result in zip(pending, results):
+        if isinstance(result, str):
+            outcomes[item.index][variant.name] = VariantOutcome(variant.name, error=result)
+            if variant.cache.method == "full":
+                references[item.index] = None
+            continue
+        outcomes[item.index][variant.name] = VariantOutcome(variant.name, result=result)
+        if variant.cache.method == "full":
+            references[item.index] = Reference.of_output(result.token_ids, result.logprobs)
 
 
 def failed_outcomes(item: WorkItem, error: str) -> list[VariantOutcome]:
@@ -90,12 +137,16 @@ class Executor:
         self._loaded = None
 
     def __call__(self, item: WorkItem) -> list[VariantOutcome]:
+        return self.run_group([item])[0]
+
+    def run_group(self, items: list[WorkItem]) -> list[list[VariantOutcome]]:
+        """``execute_group`` on this executor's model (loaded on first use); outcomes per item."""
         if self._loaded is None:
             if self.blas_threads:
                 set_blas_threads(self.blas_threads)
             try:
                 self._loaded = self.load_model(self.model, weights=self.weights)
             except Exception as exc:  # the driver checked the model resolves; this worker cannot load it
-                return failed_outcomes(item, f"model: {type(exc).__name__}: {exc}")
+                return [failed_outcomes(item, f"model: {type(exc).__name__}: {exc}") for item in items]
         model, tokenizer = self._loaded
-        return execute(model, tokenizer, item)
+        return execute_group(model, tokenizer, items)

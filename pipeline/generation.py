@@ -4,6 +4,10 @@ The prompt's prefix and document are prefilled in chunks of
 ``prefill_step_size``, then its instruction; the caches are told each phase
 (``velox_cache.prefill_phases``). Streaming variants also run the instruction
 as a probe after every document chunk but the last.
+
+``generate`` does one variant start to end. ``prefill_variant`` and
+``generate_together`` split it, so that several prefilled variants decode in
+one batch (``velox_cache.decode``) with the same outputs as alone.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import mlx.core as mx
 import velox_cache
 from velox_cache import KVCacheBuilder, KVCacheConfig, prefill_phases, snapshot
 from velox_cache.accounting import layer_stats
+from velox_cache.decode import DecodeRow, decode_rows
 from velox_cache.observe import can_route
 
 from .prompting import Prompt
@@ -54,6 +59,7 @@ class GenerationResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # of each generated token, under this cache
     fidelity: Optional[Fidelity] = None
+    decode_batch_size: int = 1  # the most sequences it decoded beside in one step, itself included
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -82,6 +88,26 @@ def _observation(model, config: KVCacheConfig):
     return velox_cache.fast_attention(model)
 
 
+@dataclass
+class PrefilledVariant:
+    """One document through one variant, prefilled: its decode row, and what finishing it needs."""
+
+    row: DecodeRow
+    config: KVCacheConfig
+    prompt_tokens: int
+    prefill_seconds: float
+    prefill_peak_bytes: int
+    first_logprobs: mx.array
+    reference: Optional[Reference] = None
+    prefill_end: Optional[list] = None  # a snapshot of the caches when prefill ended (for teacher forcing)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of keys and values this variant's caches hold (and its snapshot, when kept)."""
+        held = sum(getattr(cache, "nbytes", 0) for cache in self.row.caches)
+        return held * (2 if self.prefill_end is not None else 1)
+
+
 def generate(
     model,
     tokenizer,
@@ -92,7 +118,7 @@ def generate(
     reference: Optional[Reference] = None,
     document_span: Optional[tuple] = None,
 ) -> GenerationResult:
-    """Generate for one prompt (a ``Prompt``, or token ids) with a fresh cache stack.
+    """Generate for one prompt (a ``Prompt``, or token ids) with a fresh cache stack, decoding alone.
 
     Token ids are all document unless ``document_span`` ``(start, end)`` marks the
     document in them (``end`` None: to the end).
@@ -103,18 +129,29 @@ def generate(
     ``fidelity``: one extra forward pass, no second prefill; the free-running
     output, its timings and its accounting are those of the original stack.
     """
+    run = prefill_variant(model, tokenizer, prompt, config, settings, reference=reference, document_span=document_span)
+    return generate_together(model, tokenizer, [run], batch=False)[0]
+
+
+def prefill_variant(
+    model,
+    tokenizer,
+    prompt,
+    config: KVCacheConfig,
+    settings: GenerationSpec,
+    *,
+    reference: Optional[Reference] = None,
+    document_span: Optional[tuple] = None,
+) -> PrefilledVariant:
+    """A fresh cache stack for ``prompt``, prefilled by phases, ready to decode (see ``generate``)."""
     if not isinstance(prompt, Prompt):
         start, end = document_span or (0, None)
         prompt = Prompt(list(prompt), document_start=start, document_end=end)
     prompt_tokens = prompt.tokens
     caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(prompt_tokens))
-    choice = TokenChoice(settings, prompt_tokens)
-    eos = set(tokenizer.eos_token_ids)
-    mx.random.seed(settings.seed)
+    sampler = TokenChoice(settings, prompt_tokens)
     mx.clear_cache()
     mx.reset_peak_memory()
-    generated: list[int] = []
-    logprobs: list[float] = []
     with _observation(model, config):
         start = time.perf_counter()
         logits = prefill_phases(
@@ -126,40 +163,62 @@ def generate(
             chunk_size=settings.prefill_step_size,
             max_new_tokens=settings.max_tokens,
         )
-        first_logprobs = choice.logprobs(logits)
+        first_logprobs = sampler.logprobs(logits)
         prefill_seconds = time.perf_counter() - start
-        prefill_end = snapshot(caches) if reference is not None else None
-        start = time.perf_counter()
-        token_logprobs = first_logprobs
-        stop_reason = "max_tokens"
-        while True:
-            token = choice.choose(token_logprobs)
-            if token in eos:
-                stop_reason = "eos"
-                break
-            generated.append(token)
-            logprobs.append(token_logprobs[0, token].item())
-            if len(generated) >= settings.max_tokens:
-                break
-            choice.accept(token)
-            token_logprobs = choice.logprobs(model(mx.array([[token]]), cache=caches)[:, -1, :])
-        decode_seconds = time.perf_counter() - start
-        peak_memory = mx.get_peak_memory()
-        fidelity = None
-        if reference is not None:
-            fidelity = teacher_force(model, prefill_end, first_logprobs, reference, choice=choice)
-    return GenerationResult(
-        output=tokenizer.decode(generated),
+    row = DecodeRow(caches, sampler, first_logprobs, settings.max_tokens, frozenset(tokenizer.eos_token_ids))
+    return PrefilledVariant(
+        row,
+        config,
         prompt_tokens=len(prompt_tokens),
-        output_tokens=len(generated),
         prefill_seconds=prefill_seconds,
-        decode_seconds=decode_seconds,
-        peak_memory_bytes=peak_memory,
-        stop_reason=stop_reason,
-        layer_stats=[_layer_row(i, cache) for i, cache in enumerate(caches)],
-        token_ids=generated,
-        logprobs=logprobs,
+        prefill_peak_bytes=mx.get_peak_memory(),
+        first_logprobs=first_logprobs,
+        reference=reference,
+        prefill_end=snapshot(caches) if reference is not None else None,
+    )
+
+
+def generate_together(model, tokenizer, runs: list[PrefilledVariant], *, batch: bool = True) -> list[GenerationResult]:
+    """Decode prefilled variants (together when ``batch``, see ``velox_cache.decode``), then finish each.
+
+    Each result is what decoding it alone gives (tokens, accounting); its
+    ``decode_seconds`` is its share of the batch's steps, ``peak_memory_bytes``
+    the larger of its prefill's peak and the batch's decode peak.
+    """
+    if batch and len(runs) > 1:
+        mx.reset_peak_memory()
+    with _observation_for_all(model, [run.config for run in runs]):
+        decode_rows(model, [run.row for run in runs], batch=batch)
+    decode_peak = mx.get_peak_memory()
+    return [_finish(model, tokenizer, run, decode_peak) for run in runs]
+
+
+def _observation_for_all(model, configs: list):
+    """One routing context for rows of any variants: observing when any of them scores by observation."""
+    observed = [c for c in configs if c.method != "full" and c.scoring == "observed"]
+    return _observation(model, observed[0] if observed else configs[0])
+
+
+def _finish(model, tokenizer, run: PrefilledVariant, decode_peak: int) -> GenerationResult:
+    row = run.row
+    fidelity = None
+    if run.reference is not None:
+        with _observation(model, run.config):
+            fidelity = teacher_force(model, run.prefill_end, run.first_logprobs, run.reference, choice=row.sampler)
+        run.prefill_end = None
+    return GenerationResult(
+        output=tokenizer.decode(row.tokens),
+        prompt_tokens=run.prompt_tokens,
+        output_tokens=len(row.tokens),
+        prefill_seconds=run.prefill_seconds,
+        decode_seconds=row.decode_seconds,
+        peak_memory_bytes=max(run.prefill_peak_bytes, decode_peak),
+        stop_reason=row.stop_reason,
+        layer_stats=[_layer_row(i, cache) for i, cache in enumerate(row.caches)],
+        token_ids=row.tokens,
+        logprobs=row.token_logprobs,
         fidelity=fidelity,
+        decode_batch_size=row.batch_size,
     )
 
 

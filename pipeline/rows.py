@@ -66,6 +66,7 @@ def document_row(
         "output_tokens": result.output_tokens,
         "prefill_seconds": result.prefill_seconds,
         "decode_seconds": result.decode_seconds,
+        "decode_batch_size": result.decode_batch_size,
         "prefill_tokens_per_second": result.prefill_tokens_per_second,
         "decode_tokens_per_second": result.decode_tokens_per_second,
         "peak_memory_bytes": result.peak_memory_bytes,

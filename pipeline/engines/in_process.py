@@ -1,18 +1,23 @@
-"""The in-process engine: one model in this process; documents one after another."""
+"""The in-process engine: one model in this process; documents in groups that decode together."""
 
 from __future__ import annotations
 
 from typing import Callable, Iterable, Iterator, Optional
 
 from .. import model_store
-from ..execute import VariantOutcome, execute
+from ..execute import VariantOutcome, execute_group
 from ..plan import WorkItem
 from ..spec import JobSpec
 from . import BadModel
 
 
 class InProcessEngine:
-    """One model in this process; documents one after another."""
+    """One model in this process; documents in groups of ``generation.decode_batch_size``.
+
+    A group's documents are prefilled one after another and decode together
+    (``execute.execute_group``); its outcomes come out when the whole group is
+    done, so an interrupt abandons at most the group in flight.
+    """
 
     name = "in-process"
     workers = 1
@@ -30,8 +35,20 @@ class InProcessEngine:
         return self.tokenizer, model_store.context_length(self.model)
 
     def run(self, items: Iterable[WorkItem]) -> Iterator[tuple[WorkItem, list[VariantOutcome]]]:
-        for item in items:
-            yield item, execute(self.model, self.tokenizer, item)
+        for group in groups(items):
+            yield from zip(group, execute_group(self.model, self.tokenizer, group))
 
     def close(self) -> None:
         self.model = self.tokenizer = None
+
+
+def groups(items: Iterable[WorkItem]) -> Iterator[list[WorkItem]]:
+    """Consecutive items in groups of their ``generation.decode_batch_size`` (the last may be smaller)."""
+    group: list[WorkItem] = []
+    for item in items:
+        group.append(item)
+        if len(group) >= item.generation.decode_batch_size:
+            yield group
+            group = []
+    if group:
+        yield group

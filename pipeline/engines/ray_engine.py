@@ -48,18 +48,18 @@ warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"ray\.dat
 
 
 class _Worker:
-    """Ray Data's callable class: one work item in, its outcomes out (both pickled)."""
+    """Ray Data's callable class: a group of work items in (they decode together), their outcomes out (pickled)."""
 
     def __init__(self, executor: Executor):
         self.executor = executor
 
     def __call__(self, batch: dict) -> dict:
-        item: WorkItem = pickle.loads(batch["item"][0])
+        items: list[WorkItem] = [pickle.loads(blob) for blob in batch["item"]]
         try:
-            outcomes = self.executor(item)
-        except Exception as exc:  # a bug, not a document error: still one document, not a lost block
-            outcomes = failed_outcomes(item, f"{type(exc).__name__}: {exc}")
-        return {"index": [item.index], "outcomes": [pickle.dumps(outcomes)]}
+            outcomes = self.executor.run_group(items)
+        except Exception as exc:  # a bug, not a document error: still these documents, not a lost block
+            outcomes = [failed_outcomes(item, f"{type(exc).__name__}: {exc}") for item in items]
+        return {"index": [item.index for item in items], "outcomes": [pickle.dumps(o) for o in outcomes]}
 
 
 def worker_env(cpus_per_worker: int) -> dict[str, str]:
@@ -152,25 +152,43 @@ class RayEngine:
             self.workers = max(1, int(ray.cluster_resources().get("CPU", 1)) // self.settings.cpus_per_worker)
 
     def run(self, items: Iterable[WorkItem]) -> Iterator[tuple[WorkItem, list[VariantOutcome]]]:
+        """Each worker decodes groups of ``generation.decode_batch_size`` documents together.
+
+        A worker that dies on a group (after its retries) takes the whole group, so
+        the documents of groups that never came back are dispatched again one by one:
+        only the document that kills its worker alone fails.
+        """
         items = longest_first(items)  # the whole plan is made (and its settled rows stored) before dispatch
         if not items:
             return
-        pending = {item.index: item for item in items}
         context = ray.data.DataContext.get_current()
         context.max_errored_blocks = -1  # a document whose worker keeps dying is dropped here, failed below
         context.execution_no_progress_timeout_s = -1  # one long document must not time the run out
         context.enable_progress_bars = False  # the runner reports progress
         context.execution_options.preserve_order = False
         _quiet_ray_data_console()
-        dataset = ray.data.from_items([{"item": pickle.dumps(item)} for item in items], override_num_blocks=len(items))
+        group = items[0].generation.decode_batch_size
+        pending = {item.index: item for item in items}
+        yield from self._dispatch(items, group, pending)
+        if group > 1 and len(pending) > 1:
+            yield from self._dispatch(list(pending.values()), 1, pending)
+        tries = self.settings.max_retries + 1
+        for item in pending.values():
+            message = f"worker died on each of {tries} tries of this document (engine.max_retries={tries - 1})"
+            yield item, failed_outcomes(item, message)
+
+    def _dispatch(self, items: list[WorkItem], group: int, pending: dict):
+        """Run ``items`` in groups of ``group`` on the worker pool; what comes back leaves ``pending``."""
+        blocks = -(-len(items) // group)
+        dataset = ray.data.from_items([{"item": pickle.dumps(item)} for item in items], override_num_blocks=blocks)
         with warnings.catch_warnings():  # retries as remote arguments: deprecated, still the only way (Ray < 2.64)
             warnings.simplefilter("ignore", DeprecationWarning)
             dataset = dataset.map_batches(
                 _Worker,
                 fn_constructor_args=(self._executor,),
-                batch_size=1,
+                batch_size=group,
                 num_cpus=self.settings.cpus_per_worker,
-                compute=ray.data.ActorPoolStrategy(size=min(self.workers, len(items)), max_tasks_in_flight_per_actor=1),
+                compute=ray.data.ActorPoolStrategy(size=min(self.workers, blocks), max_tasks_in_flight_per_actor=1),
                 max_restarts=-1,  # always replace a dead worker (a finite number can hang the pool)
                 max_task_retries=self.settings.max_retries,  # Ray Data's default retries forever
             )
@@ -178,10 +196,6 @@ class RayEngine:
             item = pending.pop(int(row["index"]), None)
             if item is not None:
                 yield item, pickle.loads(row["outcomes"])
-        tries = self.settings.max_retries + 1
-        for item in pending.values():
-            message = f"worker died on each of {tries} tries of this document (engine.max_retries={tries - 1})"
-            yield item, failed_outcomes(item, message)
 
     def close(self) -> None:
         if self._started_here and ray.is_initialized():

@@ -83,6 +83,10 @@ def validate(spec: JobSpec) -> None:
         raise SpecError(f"generation.repetition_penalty: must be a positive number (1 or unset: off), got {penalty}")
     if gen.repetition_context_size < 1:
         raise SpecError(f"generation.repetition_context_size: must be at least 1, got {gen.repetition_context_size}")
+    if gen.decode_batch_size < 1:
+        raise SpecError(f"generation.decode_batch_size: must be at least 1 (1: one sequence at a time), got {gen.decode_batch_size}")
+    if gen.decode_batch_memory_mb < 1:
+        raise SpecError(f"generation.decode_batch_memory_mb: must be at least 1, got {gen.decode_batch_memory_mb}")
     if lim.on_too_long is None:
         lim.on_too_long = "fail" if inp.prompt_column else "truncate"
     if lim.on_too_long not in ON_TOO_LONG:

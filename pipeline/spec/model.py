@@ -43,7 +43,9 @@ class InputSpec:
 class GenerationSpec:
     """How each document is decoded: mlx-lm's sampling settings, its repetition penalty, prefill chunks.
 
-    ``top_k`` 0 and ``min_p`` 0 are off; ``repetition_penalty`` None (or 1) is off, else
+    ``decode_batch_size`` sequences decode together (documents of one variant, once
+    prefilled), fewer when their caches reach ``decode_batch_memory_mb``; neither
+    changes an output, so neither is hashed. ``top_k`` 0 and ``min_p`` 0 are off; ``repetition_penalty`` None (or 1) is off, else
     it penalises the last ``repetition_context_size`` tokens (prompt included), as
     ``mlx_lm.generate`` does.
     """
@@ -57,6 +59,8 @@ class GenerationSpec:
     min_p: float = 0.0
     repetition_penalty: Optional[float] = None
     repetition_context_size: int = 20
+    decode_batch_size: int = 8  # sequences decoding together (1: one at a time); outputs do not depend on it
+    decode_batch_memory_mb: int = 4096  # a batch starts decoding once its rows hold this many MiB of caches
 
     def hashed(self) -> dict:
         """The settings as hashed into stored keys: fields added later count only when set.
@@ -64,10 +68,12 @@ class GenerationSpec:
         A spec that leaves them at their defaults keeps the keys it had before they
         existed, so a store's documents are not redone by an upgrade.
         """
-        values = dataclasses.asdict(self)
+        values = {k: v for k, v in dataclasses.asdict(self).items() if k not in NOT_HASHED}
         return {k: v for k, v in values.items() if k not in HASHED_WHEN_SET or v != HASHED_WHEN_SET[k]}
 
 
+# GenerationSpec fields that decide how fast, not what: never in a hash.
+NOT_HASHED = ("decode_batch_size", "decode_batch_memory_mb")
 # GenerationSpec fields that came after stores existed, with the default that leaves them out of hashes.
 HASHED_WHEN_SET = {"top_k": 0, "min_p": 0.0, "repetition_penalty": None, "repetition_context_size": 20}
 

@@ -268,6 +268,12 @@ def m006_layer_cache_kind(db: sqlite_utils.Database) -> None:
     db["layer_stats"].add_column("scoring", str)
 
 
+@migration
+def m007_decode_batch_size(db: sqlite_utils.Database) -> None:
+    """How many sequences each document x variant decoded beside (itself included; 1: alone)."""
+    db["documents"].add_column("decode_batch_size", int)
+
+
 def migrate(db: sqlite_utils.Database, *, transaction: Optional[Callable] = None) -> list[str]:
     """Apply the migrations not yet recorded, each in one transaction; returns the names applied.
 

@@ -85,14 +85,14 @@ def work_item(job, tiny_model_dir):
 
 
 def test_a_variant_that_raises_is_an_outcome_and_the_others_still_run(tiny_model, work_item, monkeypatch):
-    generate = pipeline.execute.generate
+    prefill = pipeline.execute.prefill_variant
 
     def fails_for_pyramid(model, tokenizer, prompt_tokens, config, settings, **options):
         if config.method == "pyramidkv":
             raise ValueError("no room")
-        return generate(model, tokenizer, prompt_tokens, config, settings, **options)
+        return prefill(model, tokenizer, prompt_tokens, config, settings, **options)
 
-    monkeypatch.setattr(pipeline.execute, "generate", fails_for_pyramid)
+    monkeypatch.setattr(pipeline.execute, "prefill_variant", fails_for_pyramid)
     outcomes = execute(*tiny_model, work_item)
     assert [(o.variant, o.error) for o in outcomes] == [("full", None), ("pyramid", "ValueError: no room"), ("squeeze", None)]
     assert all(o.result is not None for o in outcomes if o.error is None)
