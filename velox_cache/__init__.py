@@ -9,6 +9,10 @@ Long documents in bounded memory (streaming prefill, phases told)::
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="pyramidkv", budget=512, eviction="streaming"))
     logits = prefill_phases(model, caches, prefix=p, document=d, instruction=q)
 
+Many prompts, each with its own compressed stack, decoding in one batch::
+
+    texts = velox_cache.batch_generate(model, tokenizer, prompts, KVCacheConfig(method="pyramidkv", budget=128)).texts
+
 Faster attention on MLX's CPU backend, with any caches::
 
     with velox_cache.fast_attention(model):
@@ -19,6 +23,8 @@ from .attend import AttentionResult, attend, attend_and_score
 from .budgets import pyramid_budgets, squeeze_budgets
 from .builder import KVCacheBuilder, KVCacheFactory
 from .config import ConfigError, KVCacheConfig
+from .batching import BatchUnsupported
+from .decode import BatchResponse, batch_generate
 from .coordinator import SqueezeCoordinator
 from . import phases
 from .masks import MaskMismatchError
@@ -40,6 +46,8 @@ from .snapshot import snapshot
 
 __all__ = [
     "AttentionResult",
+    "BatchResponse",
+    "BatchUnsupported",
     "ConfigError",
     "ContextError",
     "FullKVCache",
@@ -61,6 +69,7 @@ __all__ = [
     "UnsupportedModelError",
     "attend",
     "attend_and_score",
+    "batch_generate",
     "fast_attention",
     "model_context",
     "observe",

@@ -15,13 +15,18 @@ the rows' seconds add up to the wall time of the batch.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence, Union
 
 import mlx.core as mx
 
 from .batching import BatchUnsupported, batch_layers
+from .builder import KVCacheBuilder
+from .config import KVCacheConfig
+from .observe import can_route, fast_attention, observe
+from .prefill import prefill_phases
 from .sampling import TokenSampler
 
 
@@ -151,3 +156,90 @@ def _share(rows: list[DecodeRow], seconds: float, batched: bool = True) -> None:
         row.decode_seconds += seconds / len(rows)
         if batched:
             row.batch_size = max(row.batch_size, len(rows))
+
+
+@dataclass
+class BatchResponse:
+    """What ``batch_generate`` returns: one entry per prompt, in prompt order."""
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    stop_reasons: list[str]
+    batch_sizes: list[int]  # the most sequences each prompt decoded beside, itself included
+
+
+def batch_generate(
+    model,
+    tokenizer,
+    prompts: Sequence[Union[str, Sequence[int]]],
+    config: KVCacheConfig,
+    *,
+    max_tokens: int = 256,
+    prefill_step_size: int = 256,
+    batch_size: int = 8,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    top_k: int = 0,
+    repetition_penalty: Optional[float] = None,
+    repetition_context_size: int = 20,
+    seeds: Optional[Sequence[int]] = None,
+) -> BatchResponse:
+    """Generate for every prompt with its own fresh Velox cache stack, decoding ``batch_size`` at a time.
+
+    Like ``mlx_lm.batch_generate`` (``.texts``), with compressed caches: each
+    prompt (text, or token ids) gets a stack from ``KVCacheBuilder.for_model``
+    (and its own squeeze coordinator), is prefilled in chunks of
+    ``prefill_step_size``, and decodes in a batch with the others (greedy, or
+    sampled with mlx-lm's samplers; prompt ``i`` draws from seed
+    ``seeds[i]``, default 0, the same tokens as it would alone). The model's
+    attention runs through Velox (``observe`` for observed scoring, else
+    ``fast_attention``); a model that cannot be routed decodes one at a time.
+
+    Example::
+
+        texts = velox_cache.batch_generate(model, tokenizer, prompts,
+                                           KVCacheConfig(method="pyramidkv", budget=128)).texts
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size: must be at least 1, got {batch_size}")
+    prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    seeds = list(seeds) if seeds is not None else [0] * len(prompts)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"seeds: {len(seeds)} seeds for {len(prompts)} prompts")
+    sampling = dict(
+        temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k,
+        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
+    )
+    eos = frozenset(tokenizer.eos_token_ids)
+    rows: list[DecodeRow] = []
+    with _routing(model, config):
+        for start in range(0, len(prompts), batch_size):
+            group = []
+            for tokens, seed in zip(prompts[start : start + batch_size], seeds[start : start + batch_size]):
+                if not tokens:
+                    raise ValueError(f"prompts[{len(rows) + len(group)}]: the prompt is empty")
+                caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(tokens))
+                logits = prefill_phases(
+                    model, caches, document=tokens, chunk_size=prefill_step_size, max_new_tokens=max_tokens
+                )
+                sampler = TokenSampler(tokens, seed=seed, **sampling)
+                group.append(DecodeRow(caches, sampler, sampler.logprobs(logits), max_tokens, eos))
+            decode_rows(model, group, batch=can_route(model))
+            for row in group:
+                row.caches = None  # the stack is done with: free it before the next group
+            rows += group
+    return BatchResponse(
+        texts=[tokenizer.decode(row.tokens) for row in rows],
+        token_ids=[row.tokens for row in rows],
+        stop_reasons=[row.stop_reason for row in rows],
+        batch_sizes=[row.batch_size for row in rows],
+    )
+
+
+def _routing(model, config: KVCacheConfig):
+    if not can_route(model):
+        return contextlib.nullcontext()
+    if config.method != "full" and config.scoring in ("observed", None):
+        return observe(model)
+    return fast_attention(model)

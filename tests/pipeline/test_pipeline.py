@@ -77,7 +77,29 @@ def test_changed_content_is_done_again(job, tmp_path):
     assert rows(db, "select documents_done, documents_unchanged from runs where id = 2") == [(3, 12)]
 
 
+def test_decode_batch_sizes_store_the_same_rows(job, tmp_path):
+    """Documents decoding together store what they store one at a time (timings and peak memory aside)."""
+    write_corpus(tmp_path / "corpus.parquet", n=5)
+    outputs = (
+        "document_id, variant, status, output, prompt_tokens, output_tokens, stop_reason, kept_bytes, full_seq_bytes, "
+        "compression_ratio, rouge_l_vs_full, agreement_vs_full, nll_gap_vs_full, output_token_ids, output_logprobs, doc_key"
+    )
+    layers = "document_id, variant, layer, layer_budget, tokens_seen, tokens_kept, kept_bytes, full_seq_bytes, concentration"
+    stored = {}
+    for batch in (1, 4):
+        db = tmp_path / f"batch{batch}.db"
+        path = job({"generation": {"decode_batch_size": batch}, "output": {"db": str(db)}})
+        assert invoke("run", path, "-q").exit_code == 0
+        stored[batch] = [rows(db, f"select {columns} from {table} order by {columns}")
+                         for columns, table in ((outputs, "documents"), (layers, "layer_stats"))]
+        stored[batch].append(rows(db, "select variant, max(decode_batch_size) from documents group by variant"))
+    assert stored[4][:2] == stored[1][:2]
+    assert stored[1][2] == [("full", 1), ("pyramid", 1), ("squeeze", 1)]
+    assert stored[4][2] == [("full", 4), ("pyramid", 4), ("squeeze", 4)]
+
+
 def test_killed_run_resumes_with_nothing_lost_or_doubled(job, tmp_path):
+    """Killed (kill -9) while a group of documents is in flight (they decode in batches of 8)."""
     write_corpus(tmp_path / "corpus.parquet", n=40)
     path = job({"generation": {"max_tokens": 24}})
     db = tmp_path / "store.db"

@@ -144,3 +144,23 @@ def test_prefill_end_snapshot_is_untouched_by_batched_decoding(tiny_model):
         decode_rows(model, rows, batch=True)
     for stack, keys in zip(kept, before):
         assert all(mx.array_equal(c.keys, k).item() for c, k in zip(stack, keys))
+
+
+@pytest.mark.parametrize("config", [KVCacheConfig(method="squeeze", budget=24), KVCacheConfig(method="full")])
+def test_batch_generate_gives_each_prompt_what_it_gets_alone(tiny_model, config):
+    model, tokenizer = tiny_model
+    prompts = [_prompt(n, i) for i, n in enumerate(LENGTHS)] + ["a short text prompt"]
+    options = dict(max_tokens=6, prefill_step_size=16, temperature=0.7, seeds=[1, 2, 3, 4])
+    alone = velox_cache.batch_generate(model, tokenizer, prompts, config, batch_size=1, **options)
+    together = velox_cache.batch_generate(model, tokenizer, prompts, config, batch_size=3, **options)
+    assert together.texts == alone.texts and together.token_ids == alone.token_ids
+    assert alone.batch_sizes == [1] * 4 and together.batch_sizes[:3] == [3, 3, 3]
+    assert all(len(ids) == 6 for ids, reason in zip(alone.token_ids, alone.stop_reasons) if reason == "max_tokens")
+
+
+def test_batch_generate_names_a_bad_argument(tiny_model):
+    model, tokenizer = tiny_model
+    with pytest.raises(ValueError, match="seeds"):
+        velox_cache.batch_generate(model, tokenizer, [[5, 6]], KVCacheConfig(method="h2o"), seeds=[1, 2])
+    with pytest.raises(ValueError, match="prompts\\[1\\]"):
+        velox_cache.batch_generate(model, tokenizer, [[5, 6], []], KVCacheConfig(method="h2o"))
