@@ -90,6 +90,19 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
         """True under the streaming timing: a probe's attention ranks the held tokens."""
         return self.timing.uses_probes
 
+    def batch_refusal(self) -> Optional[str]:
+        """Why this cache cannot decode in a batch now (None: it can; see ``velox_cache.batching``)."""
+        slots, progress = self.slots, self.progress
+        if slots.empty or progress.prefilling or progress.in_probe:
+            return "a cache still in prefill (or in a probe) cannot decode in a batch"
+        if self.awaiting_observation:
+            return "the cache's last call is still waiting for its attention"
+        if not self._evicting_now():
+            return "a cache that does not evict while decoding cannot batch"
+        if slots.stored > self.layer_budget:
+            return f"holds {slots.stored} tokens over its budget of {self.layer_budget}"
+        return None
+
     @property
     def concentration(self) -> float:
         """Measured attention concentration, 0 (broad) to 1 (one token); 0 for policies that do not measure it."""

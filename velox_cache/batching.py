@@ -37,7 +37,7 @@ from mlx_lm.models.cache import KVCache, _BaseCache
 from .attend import attend_and_score
 from .base import EvictingKVCache
 from .observe import is_routed
-from .signals import CumulativeMass, CurrentAttention, Recency, fold_heads
+from .signals import Recency, fold_heads
 from .slots import GROWTH_STEP
 
 FULL_STEP = KVCache.step  # mlx-lm's KVCache grows by this many slots
@@ -77,17 +77,11 @@ class _Row:
 
     @classmethod
     def _of_evicting(cls, cache: EvictingKVCache, layer: int) -> "_Row":
-        slots, progress = cache.slots, cache.progress
-        if slots.empty or progress.prefilling or progress.in_probe:
-            raise BatchUnsupported(f"layer {layer}: a cache still in prefill (or in a probe) cannot decode in a batch")
-        if cache._awaiting_observation:
-            raise BatchUnsupported(f"layer {layer}: the cache's last call is still waiting for its attention")
-        if not cache._evicting_now():
-            raise BatchUnsupported(f"layer {layer}: a cache that does not evict while decoding cannot batch")
-        budget = cache.allocation.budget()
-        if slots.stored > budget:
-            raise BatchUnsupported(f"layer {layer}: holds {slots.stored} tokens over its budget of {budget}")
-        if slots.signal not in (CumulativeMass, CurrentAttention, Recency):
+        refusal = cache.batch_refusal()
+        if refusal is not None:
+            raise BatchUnsupported(f"layer {layer}: {refusal}")
+        slots, budget = cache.slots, cache.layer_budget
+        if getattr(slots.signal, "folds", "") not in ("add", "replace", None):
             raise BatchUnsupported(f"layer {layer}: signal {slots.signal.__name__} has no batched form")
         return cls(
             cache,
@@ -167,9 +161,9 @@ class BatchedLayer(_BaseCache):
         column = lambda values, dtype: mx.array(values, dtype)[:, None, None]  # noqa: E731
         self._n_sink = column([row.n_sink for row in rows], mx.int32)
         self._recent = column([row.recent for row in rows], mx.int32)
-        self._by_position = column([row.signal is Recency for row in rows], mx.bool_)
-        self._adds = column([row.scores_decode and row.signal is CumulativeMass for row in rows], mx.bool_)
-        self._replaces = column([row.scores_decode and row.signal is CurrentAttention for row in rows], mx.bool_)
+        self._by_position = column([row.signal.by_position for row in rows], mx.bool_)
+        self._adds = column([row.scores_decode and row.signal.folds == "add" for row in rows], mx.bool_)
+        self._replaces = column([row.scores_decode and row.signal.folds == "replace" for row in rows], mx.bool_)
         self._observed = column([row.observed for row in rows], mx.bool_)
 
     # ----- mlx-lm cache protocol ----------------------------------------------------------

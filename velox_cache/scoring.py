@@ -43,6 +43,11 @@ class LayerScoring:
         self._mask_reaches_attention = False  # the model's causal array mask reached Velox's attention
 
     @property
+    def awaiting_observation(self) -> bool:
+        """True between a call under observed scoring and its attention reaching ``observe_attention``."""
+        return self._awaiting_observation
+
+    @property
     def scoring(self) -> Optional[str]:
         """``observed`` or ``key_proxy``; decided at the first call when the config leaves it open."""
         return self._scoring or self.config.scoring

@@ -2,7 +2,9 @@
 
 One small class per signal. Each says how many of a call's last query rows it
 needs (``rows``), how it folds their attention mass into the slots' scores
-(``fold``) and what the eviction ranking is (``ranking``).
+(``fold``; ``folds`` names it, add or replace, for batched decoding) and what
+the eviction ranking is (``ranking``: the scores, or the positions when
+``by_position``).
 
 Two helpers feed them: ``fold_heads`` sums attention that ran on more heads
 than a cache holds (multi-head latent attention, repeated heads) onto the
@@ -52,6 +54,8 @@ class CumulativeMass:
     """H2O: the attention mass every query so far gave a token (heavy hitters)."""
 
     name = "cumulative"
+    folds = "add"  # how ``fold`` combines mass with the scores (batched decoding applies the same)
+    by_position = False  # ``ranking`` is the slots' positions rather than their scores
 
     @staticmethod
     def rows(n_queries: int) -> int:
@@ -70,6 +74,8 @@ class CurrentAttention:
     """TOVA: the attention of the latest query only (memoryless)."""
 
     name = "current"
+    folds = "replace"
+    by_position = False
 
     @staticmethod
     def rows(n_queries: int) -> int:
@@ -88,6 +94,8 @@ class Recency:
     """StreamingLLM: the later a token's position, the more it is worth; no attention needed."""
 
     name = "recency"
+    folds = None
+    by_position = True
 
     @staticmethod
     def rows(n_queries: int) -> int:

@@ -12,7 +12,7 @@ from . import BadModel
 
 
 class InProcessEngine:
-    """One model in this process; documents in groups of ``generation.decode_batch_size``.
+    """One model in this process; documents in groups of ``generation.decode_batch_size`` (see ``groups``).
 
     A group's documents are prefilled one after another and decode together
     (``execute.execute_group``); its outcomes come out when the whole group is
@@ -42,13 +42,29 @@ class InProcessEngine:
         self.model = self.tokenizer = None
 
 
+LOOKAHEAD_GROUPS = 4  # groups are formed from this many groups' worth of items at a time
+
+
 def groups(items: Iterable[WorkItem]) -> Iterator[list[WorkItem]]:
-    """Consecutive items in groups of their ``generation.decode_batch_size`` (the last may be smaller)."""
-    group: list[WorkItem] = []
+    """Items in groups of ``generation.decode_batch_size`` that batch well: similar prompt lengths.
+
+    A batch pads every row's attention to its longest row, so the items of a window
+    of ``LOOKAHEAD_GROUPS`` groups are sorted by prompt length before they are cut
+    into groups (longest first); windows follow the input order.
+    """
+    window: list[WorkItem] = []
     for item in items:
-        group.append(item)
-        if len(group) >= item.generation.decode_batch_size:
-            yield group
-            group = []
-    if group:
-        yield group
+        window.append(item)
+        if len(window) >= item.generation.decode_batch_size * LOOKAHEAD_GROUPS:
+            yield from _by_length(window)
+            window = []
+    yield from _by_length(window)
+
+
+def _by_length(window: list[WorkItem]) -> Iterator[list[WorkItem]]:
+    if not window:
+        return
+    size = window[0].generation.decode_batch_size
+    ordered = sorted(window, key=lambda item: -len(item.prompt_tokens))
+    for start in range(0, len(ordered), size):
+        yield ordered[start : start + size]

@@ -10,7 +10,8 @@ import threading
 import pytest
 
 import pipeline.execute
-from pipeline.execute import Executor, execute
+import pipeline.generation
+from pipeline.execute import Executor, execute, execute_group
 from pipeline.model_store import load_tokenizer
 from pipeline.plan import WorkItem
 from pipeline.runner import run_job
@@ -173,3 +174,31 @@ def test_ray_dispatches_the_most_work_first_and_keeps_input_order_on_ties(work_i
         dataclasses.replace(work_item, index=3, prompt_tokens=long, variants=work_item.variants[:1]),
     ]
     assert [item.index for item in ray_engine.longest_first(items)] == [1, 3, 0, 2]
+
+
+@pytest.mark.parametrize("held_mb, batches", [(1, [3, 3, 3]), (2, [2, 2, 1]), (6, [1, 1, 1])])
+def test_a_group_decodes_together_until_its_caches_reach_the_memory_cap(tiny_model, work_item, held_mb, batches, monkeypatch):
+    # the tiny model's caches hold kilobytes: each prefilled variant counts as holding held_mb MiB instead
+    monkeypatch.setattr(pipeline.generation.PrefilledVariant, "held_bytes", held_mb * 2**20)
+    settings = GenerationSpec(max_tokens=5, decode_batch_size=4, decode_batch_memory_mb=4)
+    items = [
+        dataclasses.replace(work_item, index=i, prompt_tokens=work_item.prompt_tokens[: 20 + 5 * i], generation=settings)
+        for i in range(3)
+    ]
+    grouped = execute_group(*tiny_model, items)
+    alone = [execute(*tiny_model, dataclasses.replace(item, generation=GenerationSpec(max_tokens=5))) for item in items]
+    for outcomes, expected, batch in zip(grouped, alone, batches):
+        assert [(o.variant, o.result.token_ids, o.result.layer_stats) for o in outcomes] == [
+            (o.variant, o.result.token_ids, o.result.layer_stats) for o in expected]
+        assert {o.result.decode_batch_size for o in outcomes} == {batch}
+
+
+def test_in_process_groups_take_similar_lengths_together_and_every_item_once(work_item):
+    from pipeline.engines.in_process import LOOKAHEAD_GROUPS, groups
+
+    settings = GenerationSpec(max_tokens=5, decode_batch_size=2)
+    lengths = [3, 9, 1, 7, 5, 8, 2, 6, 4, 10]  # 8 items fill one window of LOOKAHEAD_GROUPS groups of 2
+    assert LOOKAHEAD_GROUPS == 4
+    items = [dataclasses.replace(work_item, index=i, prompt_tokens=[1] * n, generation=settings) for i, n in enumerate(lengths)]
+    found = [[len(item.prompt_tokens) for item in group] for group in groups(iter(items))]
+    assert found == [[9, 8], [7, 6], [5, 3], [2, 1], [10, 4]]

@@ -40,6 +40,9 @@ def test_stores_keep_their_keys_until_a_sampling_field_is_set():
     assert penalised.settings_hash() != spec.settings_hash()
     assert penalised.output_settings_hash(weights="float32") != spec.output_settings_hash(weights="float32")
     assert _spec(top_k=5).settings_hash() != _spec(top_k=6).settings_hash()
+    batched = _spec(decode_batch_size=1, decode_batch_memory_mb=10)  # how fast, not what: no document is redone
+    assert (batched.settings_hash(), batched.output_settings_hash(weights="float32")) == (
+        spec.settings_hash(), spec.output_settings_hash(weights="float32"))
 
 
 def _prompt(tokenizer):

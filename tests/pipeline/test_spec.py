@@ -60,6 +60,9 @@ def test_doubled_braces_are_literal_text(job, tiny_model):
         ({"generation": {"temperature": math.nan}}, "generation.temperature: must be a finite number"),
         ({"generation": {"temperature": math.inf}}, "generation.temperature: must be a finite number"),
         ({"generation": {"top_p": math.nan}}, "generation.top_p"),
+        ({"generation": {"decode_batch_size": 0}}, "generation.decode_batch_size: must be at least 1"),
+        ({"generation": {"decode_batch_memory_mb": 0}}, "generation.decode_batch_memory_mb: must be at least 1"),
+        ({"generation": {"decode_batch_size": "many"}}, "generation.decode_batch_size"),
         ({"input": {"path": ""}}, "input.path: must not be empty"),
         ({"input": {"path": "   "}}, "input.path: must not be empty"),
         (
