@@ -53,6 +53,8 @@ def execute_group(model, tokenizer, items: list[WorkItem]) -> list[list[VariantO
     outcomes = {item.index: {} for item in items}
     references = {item.index: item.reference for item in items}
     names = list(dict.fromkeys(variant.name for item in items for variant in item.variants))
+    full = {variant.name for item in items for variant in item.variants if variant.cache.method == "full"}
+    names.sort(key=lambda name: name not in full)  # the references first, whichever item comes first
     for name in names:
         pending = []
         for item in items:

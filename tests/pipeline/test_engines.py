@@ -202,3 +202,12 @@ def test_in_process_groups_take_similar_lengths_together_and_every_item_once(wor
     items = [dataclasses.replace(work_item, index=i, prompt_tokens=[1] * n, generation=settings) for i, n in enumerate(lengths)]
     found = [[len(item.prompt_tokens) for item in group] for group in groups(iter(items))]
     assert found == [[9, 8], [7, 6], [5, 3], [2, 1], [10, 4]]
+
+
+def test_a_group_teacher_forces_every_item_even_when_its_first_item_has_no_full_variant_due(tiny_model, work_item):
+    settings = GenerationSpec(max_tokens=5, decode_batch_size=4)
+    no_full = dataclasses.replace(work_item, index=0, variants=work_item.variants[1:], generation=settings)
+    with_full = dataclasses.replace(work_item, index=1, generation=settings)
+    first, second = execute_group(*tiny_model, [no_full, with_full])
+    assert all(o.result.fidelity is None for o in first)  # no reference: its full output is not here
+    assert [o.result.fidelity is not None for o in second] == [False, True, True]
