@@ -158,7 +158,7 @@ class BatchedLayer(_BaseCache):
     def _settings(self) -> None:
         """Per-row settings as ``[B, 1, 1]`` arrays for the vectorised steps."""
         rows = self.rows
-        column = lambda values, dtype: mx.array(values, dtype)[:, None, None]  # noqa: E731
+        column = _column
         self._n_sink = column([row.n_sink for row in rows], mx.int32)
         self._recent = column([row.recent for row in rows], mx.int32)
         self._by_position = column([row.signal.by_position for row in rows], mx.bool_)
@@ -189,12 +189,13 @@ class BatchedLayer(_BaseCache):
         keys, values = keys.astype(self.keys.dtype), values.astype(self.values.dtype)
         rows = self.rows
         self._grow_if_full()
-        free = mx.array([row.stored for row in rows], mx.int32)[:, None, None]
-        slot = mx.broadcast_to(free, (*self.scores.shape[:2], 1))
+        stored = _column([row.stored for row in rows], mx.int32)  # before this token
+        positions = _column([row.offset for row in rows], mx.int32)  # this token's
+        slot = mx.broadcast_to(stored, (*self.scores.shape[:2], 1))  # the next free slot
         if any(row.at_budget for row in rows):
-            at_budget = mx.array([row.at_budget for row in rows])[:, None, None]
-            slot = mx.where(at_budget, mx.argmin(self._protected_ranking(), axis=-1, keepdims=True), slot)
-        positions = self.offset[:, None, None]
+            at_budget = _column([row.at_budget for row in rows], mx.bool_)
+            victim = mx.argmin(self._protected_ranking(stored, positions), axis=-1, keepdims=True)
+            slot = mx.where(at_budget, victim, slot)
         index = slot[..., None]
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(index, keys.shape), keys, axis=2)
         self.values = mx.put_along_axis(self.values, mx.broadcast_to(index, values.shape), values, axis=2)
@@ -202,8 +203,8 @@ class BatchedLayer(_BaseCache):
         self.positions = mx.put_along_axis(self.positions, slot, mx.broadcast_to(positions, slot.shape), axis=-1)
         for row in rows:
             row.advance()
-        stored = mx.array([row.stored for row in rows], mx.int32)[:, None, None]
-        self._valid = mx.arange(self.keys.shape[2], dtype=mx.int32)[None, None] < stored  # [B, 1, T]
+        held = _column([row.stored for row in rows], mx.int32)  # after this token (rows at budget: as before)
+        self._valid = _slot_numbers(self.keys.shape[2]) < held  # [B, 1, T]
         if any(row.scores_decode and not row.observed for row in rows):
             scale = next((row.scale for row in rows if row.scale is not None), keys.shape[-1] ** -0.5)
             proxy = attend_and_score(keys, self.keys, None, scale=scale, mask=self._valid[:, :, None], score_rows=1)
@@ -291,14 +292,14 @@ class BatchedLayer(_BaseCache):
         self.keys, self.values = _pad(self.keys, needed, axis=2), _pad(self.values, needed, axis=2)
         self.scores, self.positions = _pad(self.scores, needed, axis=2), _pad(self.positions, needed, axis=2)
 
-    def _protected_ranking(self) -> mx.array:
-        """``TokenSlots.protected_ranking`` for every row at once; padded slots rank +inf (never evicted)."""
+    def _protected_ranking(self, stored: mx.array, offsets: mx.array) -> mx.array:
+        """``TokenSlots.protected_ranking`` for every row at once (``stored``, ``offsets``: ``[B, 1, 1]``).
+
+        Padded slots rank +inf: never evicted.
+        """
         positions = self.positions
-        offsets = self.offset[:, None, None]
         ranking = mx.where(self._by_position, positions.astype(mx.float32), self.scores)
-        width = positions.shape[-1]
-        stored = mx.array([row.stored for row in self.rows], mx.int32)[:, None, None]
-        padded = mx.arange(width, dtype=mx.int32)[None, None] >= stored
+        padded = _slot_numbers(positions.shape[-1]) >= stored
         protected = (positions < self._n_sink) | ((self._recent > 0) & (positions >= offsets - self._recent)) | padded
         return mx.where(protected, mx.inf, ranking)
 
@@ -309,6 +310,16 @@ class BatchedLayer(_BaseCache):
         self.scores = mx.where(
             mine & self._adds, self.scores + mass, mx.where(mine & self._replaces, mass, self.scores)
         )
+
+
+def _column(values: list, dtype) -> mx.array:
+    """One value per row as ``[B, 1, 1]``, to broadcast over heads and slots."""
+    return mx.array(values, dtype)[:, None, None]
+
+
+def _slot_numbers(width: int) -> mx.array:
+    """``0 .. width - 1`` as ``[1, 1, width]``."""
+    return mx.arange(width, dtype=mx.int32)[None, None]
 
 
 def _pad(array: mx.array, length: int, axis: int) -> mx.array:

@@ -177,22 +177,19 @@ def batch_generate(
     max_tokens: int = 256,
     prefill_step_size: int = 256,
     batch_size: int = 8,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    top_k: int = 0,
-    repetition_penalty: Optional[float] = None,
-    repetition_context_size: int = 20,
     seeds: Optional[Sequence[int]] = None,
+    **sampling,
 ) -> BatchResponse:
     """Generate for every prompt with its own fresh Velox cache stack, decoding ``batch_size`` at a time.
 
     Like ``mlx_lm.batch_generate`` (``.texts``), with compressed caches: each
     prompt (text, or token ids) gets a stack from ``KVCacheBuilder.for_model``
     (and its own squeeze coordinator), is prefilled in chunks of
-    ``prefill_step_size``, and decodes in a batch with the others (greedy, or
-    sampled with mlx-lm's samplers; prompt ``i`` draws from seed
-    ``seeds[i]``, default 0, the same tokens as it would alone). The model's
+    ``prefill_step_size``, and decodes in a batch with the others: greedy, or
+    sampled with mlx-lm's samplers (``sampling``: ``TokenSampler``'s keywords,
+    ``temperature``, ``top_p``, ``min_p``, ``top_k``, ``repetition_penalty``,
+    ``repetition_context_size``); prompt ``i`` draws from seed ``seeds[i]``
+    (default 0), the same tokens as it would alone. The model's
     attention runs through Velox (``observe`` for observed scoring, else
     ``fast_attention``); a model that cannot be routed decodes one at a time.
 
@@ -207,10 +204,9 @@ def batch_generate(
     seeds = list(seeds) if seeds is not None else [0] * len(prompts)
     if len(seeds) != len(prompts):
         raise ValueError(f"seeds: {len(seeds)} seeds for {len(prompts)} prompts")
-    sampling = dict(
-        temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k,
-        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
-    )
+    if "seed" in sampling:
+        raise ValueError("seed: give one per prompt as seeds=[...]")
+    TokenSampler(**sampling)  # unknown keywords fail here, before any prefill
     eos = frozenset(tokenizer.eos_token_ids)
     rows: list[DecodeRow] = []
     with _routing(model, config):

@@ -164,3 +164,15 @@ def test_batch_generate_names_a_bad_argument(tiny_model):
         velox_cache.batch_generate(model, tokenizer, [[5, 6]], KVCacheConfig(method="h2o"), seeds=[1, 2])
     with pytest.raises(ValueError, match="prompts\\[1\\]"):
         velox_cache.batch_generate(model, tokenizer, [[5, 6], []], KVCacheConfig(method="h2o"))
+
+
+def test_a_batch_refuses_multi_token_calls_and_trimming(tiny_model):
+    model, _ = tiny_model
+    rows = [_row(model, _prompt(n, i), KVCacheConfig(method="h2o", budget=24), 3) for i, n in enumerate(LENGTHS)]
+    layer = BatchedLayer([row.caches[0] for row in rows])
+    assert not layer.is_trimmable()
+    with pytest.raises(BatchUnsupported, match="one token per row"):
+        layer.make_mask(3)
+    keys = mx.zeros((len(rows), layer.keys.shape[1], 2, layer.keys.shape[3]))
+    with velox_cache.fast_attention(model), pytest.raises(BatchUnsupported, match="one token per row"):
+        layer.update_and_fetch(keys, keys)
