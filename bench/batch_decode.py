@@ -15,6 +15,7 @@ against Velox's full variant, one compressed variant and the three-variant
 job (``velox-batch run`` on a fresh store, in-process), as documents per hour.
 
     python bench/batch_decode.py throughput --batch-sizes 1 2 4 8 16 32
+    python bench/batch_decode.py throughput --batch-sizes 1 8 --compare-unpipelined
     python bench/batch_decode.py job --documents 24 --batch-size 8
 """
 
@@ -56,7 +57,7 @@ def prefilled(model, tokenizer, length: int, config: KVCacheConfig):
     return caches, logits
 
 
-def decode_rate(model, caches, logits, config, batch: int, steps: int) -> float:
+def decode_rate(model, caches, logits, config, batch: int, steps: int, pipelined=None) -> float:
     """Tokens/s of ``batch`` copies of ``caches`` decoding ``steps`` tokens each."""
     copy = snapshot(caches)  # one copy that every row reads (rows write back into it when they finish)
     rows = []
@@ -67,24 +68,32 @@ def decode_rate(model, caches, logits, config, batch: int, steps: int) -> float:
     mx.clear_cache()
     with _context(model, config):
         start = time.perf_counter()
-        decode_rows(model, rows)
+        decode_rows(model, rows, pipelined=pipelined)
         seconds = time.perf_counter() - start
     return batch * steps / seconds  # steps model calls per row after the first token
 
 
 def throughput(args) -> None:
     model, tokenizer = load_default_model()
-    print("| rows | B | tokens/s | speed-up over B=1 |")
-    print("|---|---|---|---|")
+    compare = args.compare_unpipelined
+    print("| rows | B | tokens/s | speed-up over B=1 |" + (" unpipelined tokens/s | pipelining gain |" if compare else ""))
+    print("|---|---|---|---|" + ("---|---|" if compare else ""))
     for kind in args.kinds:
         length, config = KINDS[kind]
         caches, logits = prefilled(model, tokenizer, length, config)
         decode_rate(model, caches, logits, config, 1, 2)  # warm-up
         base = None
         for batch in args.batch_sizes:
-            rate = decode_rate(model, caches, logits, config, batch, args.steps)
+            rate = 0.0 if compare else decode_rate(model, caches, logits, config, batch, args.steps)
+            off = None
+            if compare:  # alternating runs, best of each: the difference is a few percent
+                off = 0.0
+                for _ in range(args.repeats):
+                    off = max(off, decode_rate(model, caches, logits, config, batch, args.steps, pipelined=False))
+                    rate = max(rate, decode_rate(model, caches, logits, config, batch, args.steps, pipelined=True))
             base = base or rate
-            print(f"| {kind} | {batch} | {rate:.1f} | {rate / base:.2f}x |", flush=True)
+            line = f"| {kind} | {batch} | {rate:.1f} | {rate / base:.2f}x |"
+            print(line + (f" {off:.1f} | {rate / off:.3f}x |" if compare else ""), flush=True)
 
 
 MAIN_JOB = Path(__file__).resolve().parent.parent / "jobs" / "summarize.yaml"
@@ -165,6 +174,9 @@ def main(argv=None):
     rate.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     rate.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS))
     rate.add_argument("--steps", type=int, default=16, help="decode steps per row")
+    rate.add_argument("--compare-unpipelined", action="store_true",
+                      help="time each B pipelined and not (decode_rows(pipelined=True/False)), alternating")
+    rate.add_argument("--repeats", type=int, default=3, help="runs of each with --compare-unpipelined (best taken)")
     rate.set_defaults(run=throughput)
     whole = commands.add_parser("job", help="the main job's first documents against mlx_lm.batch_generate")
     whole.add_argument("--documents", type=int, default=24)

@@ -280,6 +280,22 @@ class BatchedLayer(_BaseCache):
         self.scores, self.positions = self.scores[take, :, :width], self.positions[take, :, :width]
         self._settings()
 
+    def checkpoint(self) -> tuple:
+        """What ``restore`` needs to undo the calls made after it: the arrays' handles and the rows' counts.
+
+        Nothing is copied: the layer only ever rebinds its arrays (no in-place
+        writes), so the old handles still hold the old state.
+        """
+        arrays = (self.keys, self.values, self.scores, self.positions, self._valid, self._attended)
+        return arrays, [(row.stored, row.offset, row.seen, row.capacity) for row in self.rows]
+
+    def restore(self, checkpoint: tuple) -> None:
+        """The layer as it was when ``checkpoint()`` returned ``checkpoint`` (same rows)."""
+        arrays, counts = checkpoint
+        self.keys, self.values, self.scores, self.positions, self._valid, self._attended = arrays
+        for row, (stored, offset, seen, capacity) in zip(self.rows, counts):
+            row.stored, row.offset, row.seen, row.capacity = stored, offset, seen, capacity
+
     # ----- mechanics ----------------------------------------------------------------------
 
     def _grow_if_full(self) -> None:

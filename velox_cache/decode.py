@@ -28,6 +28,7 @@ from .config import KVCacheConfig
 from .observe import can_route, fast_attention, observe
 from .prefill import prefill_phases
 from .sampling import TokenSampler
+from .snapshot import restore, snapshot
 
 
 @dataclass
@@ -54,6 +55,11 @@ class DecodeRow:
     def done(self) -> bool:
         return self.stop_reason is not None
 
+    @property
+    def stops_after_next(self) -> bool:
+        """True when the next token taken stops this row whatever it is (its ``max_tokens``)."""
+        return len(self.tokens) + 1 >= self.max_tokens
+
     def take(self, token: int, logprob: float) -> None:
         """The sampler chose ``token``: stop on EOS or at ``max_tokens``, else it goes to the model next."""
         if token in self.eos:
@@ -68,10 +74,21 @@ class DecodeRow:
         self.pending = token
 
 
-def decode_rows(model, rows: Iterable[DecodeRow], *, batch: bool = True) -> list[DecodeRow]:
+def decode_rows(
+    model, rows: Iterable[DecodeRow], *, batch: bool = True, pipelined: Optional[bool] = None
+) -> list[DecodeRow]:
     """Generate for every row (see the module doc); returns the rows, each done.
 
-    ``batch`` False (or a single row) decodes each row alone. Rows that
+    ``batch`` False (or a single row) decodes each row alone. ``pipelined``
+    (as ``mlx_lm.generate_step``): the next step's model call is built on the
+    lazily sampled tokens while this step computes, then checked against them;
+    when a row stops at EOS the step built ahead is undone (restored from
+    handles kept for that, no copy), so no cache is fed a token it would not be
+    fed unpipelined, and the tokens are the same. None (the default) pipelines
+    batched steps everywhere and one-row steps only on a GPU: on a CPU the
+    host's graph building competes with the step's own threads, and one row's
+    per-step checkpoint (a ``snapshot`` of its stack) costs more than the
+    overlap saves (bench/RESULTS.md, "Pipelined decode"). Rows that
     cannot decode together (``BatchUnsupported``: an unroutable model, cache
     kinds that do not batch, RoPE that needs one offset) decode alone too.
     Batched decoding needs the model's attention routed
@@ -80,41 +97,59 @@ def decode_rows(model, rows: Iterable[DecodeRow], *, batch: bool = True) -> list
     rows = list(rows)
     live = [row for row in rows if not row.done]
     if batch and len(live) > 1:
-        _decode_together(model, live)
+        _decode_together(model, live, True if pipelined is None else pipelined)
+    alone_pipelined = mx.default_device() == mx.gpu if pipelined is None else pipelined
     for row in live:
         if not row.done:
-            decode_alone(model, row)
+            decode_alone(model, row, pipelined=alone_pipelined)
     return rows
 
 
-def decode_alone(model, row: DecodeRow) -> DecodeRow:
-    """One row, one token per model call on its own caches (``mlx_lm.generate_step``'s loop)."""
+def decode_alone(model, row: DecodeRow, *, pipelined: bool = False) -> DecodeRow:
+    """One row, one token per model call on its own caches (``mlx_lm.generate_step``'s loop).
+
+    ``pipelined``: the next step's model call is built while this step's token
+    is computed (see ``decode_rows``); the tokens and caches are the same.
+    """
     start = time.perf_counter()
+    logits = None  # the next step's, when it was built ahead
     while not row.done:
-        if row.pending is None:
-            token = row.sampler.choose(row.logprobs)
-            row.take(token, row.logprobs[0, token].item())
-            continue
-        logits = model(mx.array([[row.pending]]), cache=row.caches)[:, -1, :]
-        row.pending = None
-        row.logprobs = row.sampler.logprobs(logits)
+        if row.pending is not None:
+            logits = model(mx.array([[row.pending]]), cache=row.caches)[:, -1, :] if logits is None else logits
+            row.pending = None
+            row.logprobs = row.sampler.logprobs(logits)
+        token = row.sampler.sample(row.logprobs)
+        value = mx.take_along_axis(row.logprobs, token[:, None], axis=-1)[:, 0]
+        mx.async_eval(token, value)
+        logits, saved = None, None
+        if pipelined and not row.stops_after_next:
+            saved = snapshot(row.caches)
+            logits = model(token[None], cache=row.caches)[:, -1, :]
+        row.take(token.item(), value.item())
+        if saved is not None:
+            if row.done:  # it stopped at EOS: its caches never see the step built ahead
+                restore(row.caches, saved)
+                logits = None
+            saved = None  # gone before the step ahead is evaluated, so its buffers update in place
     row.decode_seconds += time.perf_counter() - start
     return row
 
 
-def _choose_together(rows: list[DecodeRow], extra_eval: list) -> None:
-    """Each row samples its next token from its own ``logprobs``; one evaluation for all of them."""
+def _sample_together(rows: list[DecodeRow]) -> tuple[mx.array, mx.array]:
+    """Each row's next token sampled from its own ``logprobs``, and its log-probability (both ``[B]``, lazy)."""
     tokens = [row.sampler.sample(row.logprobs) for row in rows]
     logprobs = [mx.take_along_axis(row.logprobs, token[:, None], axis=-1)[:, 0] for row, token in zip(rows, tokens)]
-    chosen, values = mx.concatenate(tokens), mx.concatenate(logprobs)
-    mx.eval(chosen, values, *extra_eval)
+    return mx.concatenate(tokens), mx.concatenate(logprobs)
+
+
+def _take_together(rows: list[DecodeRow], chosen: mx.array, values: mx.array) -> None:
     for row, token, value in zip(rows, chosen.tolist(), values.tolist()):
         row.take(token, value)
 
 
-def _decode_together(model, rows: list[DecodeRow]) -> None:
+def _decode_together(model, rows: list[DecodeRow], pipelined: bool) -> None:
     start = time.perf_counter()
-    _choose_together(rows, [])
+    _take_together(rows, *_sample_together(rows))
     _share(rows, time.perf_counter() - start, batched=False)
     in_batch = [row for row in rows if not row.done]
     if len(in_batch) < 2:
@@ -129,15 +164,25 @@ def _decode_together(model, rows: list[DecodeRow]) -> None:
         return  # each row decodes alone from its pending token
     while in_batch:
         if logits is None:
-            start = time.perf_counter()
             logits = model(mx.array([[row.pending] for row in in_batch]), cache=layers)[:, -1, :]
         for index, row in enumerate(in_batch):
             row.pending = None
             row.logprobs = row.sampler.logprobs(logits[index : index + 1])
-        _choose_together(in_batch, [layer.scores for layer in layers])
+        chosen, values = _sample_together(in_batch)
+        mx.async_eval(chosen, values, *[layer.scores for layer in layers])
+        logits, saved = None, None
+        if pipelined and not any(row.stops_after_next for row in in_batch):
+            saved = [layer.checkpoint() for layer in layers]
+            logits = model(chosen[:, None], cache=layers)[:, -1, :]  # built while this step computes
+        _take_together(in_batch, chosen, values)
         _share(in_batch, time.perf_counter() - start)
-        logits = None
+        start = time.perf_counter()
         finished = [i for i, row in enumerate(in_batch) if row.done]
+        if saved is not None and finished:  # a row stopped at EOS: undo the step built ahead
+            for layer, checkpoint in zip(layers, saved):
+                layer.restore(checkpoint)
+            logits = None
+        saved = None  # gone before the step ahead is evaluated, so its buffers update in place
         if not finished:
             continue
         for layer in layers:

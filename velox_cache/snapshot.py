@@ -36,6 +36,18 @@ def snapshot(caches: list) -> list:
     return [_copy_cache(cache) for cache in caches]
 
 
+def restore(caches: list, saved: list) -> None:
+    """Put every cache of ``caches`` back as it was when ``saved = snapshot(caches)`` was taken.
+
+    The cache objects stay the same objects (whoever holds them sees the old
+    state again); ``saved`` is used up: its parts now belong to ``caches``.
+    """
+    for cache, copy_ in zip(caches, saved):
+        state = vars(cache)
+        state.clear()
+        state.update(vars(copy_))
+
+
 def _copy_cache(cache):
     clone = copy.copy(cache)
     for name, value in vars(cache).items():

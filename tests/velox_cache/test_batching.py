@@ -38,13 +38,13 @@ def _row(model, tokens, config, max_tokens, eos=(), **sampling) -> DecodeRow:
     return DecodeRow(caches, sampler, sampler.logprobs(logits), max_tokens, frozenset(eos))
 
 
-def _decode(model, configs, *, batch, eos=None, **sampling):
+def _decode(model, configs, *, batch, pipelined=True, eos=None, **sampling):
     rows = [
         _row(model, _prompt(length, i), config, limit, (eos or {}).get(i, ()), seed=i, **sampling)
         for i, (length, limit, config) in enumerate(zip(LENGTHS, MAX_TOKENS, configs))
     ]
     with _routing(model, configs[0]):
-        decode_rows(model, rows, batch=batch)
+        decode_rows(model, rows, batch=batch, pipelined=pipelined)
     return rows
 
 
@@ -79,7 +79,7 @@ def test_batched_greedy_decoding_equals_one_at_a_time(tiny_model, policy, scorin
     monkeypatch.setenv("VELOX_ATTENTION", attention)
     model, _ = tiny_model
     configs = _configs(POLICY_CONFIGS[policy], scoring)
-    alone = _decode(model, configs, batch=False)
+    alone = _decode(model, configs, batch=False, pipelined=False)  # today's loop, one step at a time
     together = _decode(model, configs, batch=True)
     assert max(row.batch_size for row in together) == len(LENGTHS)
     _assert_same(alone, together)
@@ -94,9 +94,26 @@ def test_mixed_squeeze_and_pyramid_rows_and_a_row_stopping_at_eos(tiny_model):
     ]
     first = _decode(model, configs, batch=False)
     eos = {0: (first[0].tokens[2],)}  # row 0 stops at its third token
-    alone = _decode(model, configs, batch=False, eos=eos)
+    alone = _decode(model, configs, batch=False, pipelined=False, eos=eos)
     assert alone[0].stop_reason == "eos"
     _assert_same(alone, _decode(model, configs, batch=True, eos=eos))
+    _assert_same(alone, _decode(model, configs, batch=True, pipelined=False, eos=eos))
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_pipelined_decoding_never_feeds_a_cache_the_eos_it_stopped_at(tiny_model, batch):
+    model, _ = tiny_model
+    configs = [KVCacheConfig(method=method, budget=24, scoring="observed") for method in ("pyramidkv", "full", "h2o")]
+    first = _decode(model, configs, batch=False, pipelined=False)
+    eos = {0: (first[0].tokens[3],), 1: (first[1].tokens[1],)}  # rows 0 and 1 stop at EOS, at different steps
+    unpipelined = _decode(model, configs, batch=batch, pipelined=False, eos=eos)
+    pipelined = _decode(model, configs, batch=batch, pipelined=True, eos=eos)
+    assert [row.stop_reason for row in pipelined] == ["eos", "eos", "max_tokens"]
+    _assert_same(unpipelined, pipelined)
+    for length, row in zip(LENGTHS, pipelined):  # every generated token was fed but the last one at max_tokens
+        fed = len(row.tokens) - (row.stop_reason == "max_tokens")
+        offsets = {cache.offset for cache in row.caches}
+        assert offsets == {length + fed}
 
 
 def test_full_rows_batch_and_grow_as_mlx_lm_caches_do(tiny_model):
