@@ -24,7 +24,8 @@ import contextlib
 import sys
 import threading
 
-from .attend import attend, kernel_supports
+from .attend import attend, kernel_supports, uses_kernel
+from .elementwise import ACTIVATIONS
 
 ATTENTION_FUNCTION = "scaled_dot_product_attention"
 _active = 0  # observe contexts open
@@ -46,12 +47,16 @@ def is_routed() -> bool:
     return _routing > 0
 
 
-def _attention_modules(model) -> list:
+def _model_modules(model) -> list:
+    """The Python modules that define ``model``'s class and its submodules' classes."""
     modules = {type(model).__module__}
     for _, child in model.named_modules():
         modules.add(type(child).__module__)
-    found = [sys.modules[name] for name in sorted(modules) if name in sys.modules]
-    return [m for m in found if callable(getattr(m, ATTENTION_FUNCTION, None))]
+    return [sys.modules[name] for name in sorted(modules) if name in sys.modules]
+
+
+def _attention_modules(model) -> list:
+    return [m for m in _model_modules(model) if callable(getattr(m, ATTENTION_FUNCTION, None))]
 
 
 def can_route(model) -> bool:
@@ -83,18 +88,25 @@ def _routed(model, *, observing: bool):
             f"{type(model).__module__}.{type(model).__name__} cannot {what}: none of its modules calls "
             f"mlx-lm's `{ATTENTION_FUNCTION}`" + ("; use scoring='key_proxy'" if observing else "")
         )
-    originals = [(module, getattr(module, ATTENTION_FUNCTION)) for module in modules]
+    originals = [(module, ATTENTION_FUNCTION, getattr(module, ATTENTION_FUNCTION)) for module in modules]
+    replacements = [_wrap(original) for _, _, original in originals]
+    if uses_kernel():  # the activations' stand-ins go with Velox's kernel (VELOX_ATTENTION=exact: mlx-lm's own)
+        for module in _model_modules(model):
+            for name, stand_in in ACTIVATIONS.items():
+                if callable(getattr(module, name, None)):
+                    originals.append((module, name, getattr(module, name)))
+                    replacements.append(stand_in)
     with _lock:
-        for module, original in originals:
-            setattr(module, ATTENTION_FUNCTION, _wrap(original))
+        for (module, name, _), replacement in zip(originals, replacements):
+            setattr(module, name, replacement)
         _active += observing
         _routing += 1
     try:
         yield model
     finally:
         with _lock:
-            for module, original in reversed(originals):
-                setattr(module, ATTENTION_FUNCTION, original)
+            for module, name, original in reversed(originals):
+                setattr(module, name, original)
             _active -= observing
             _routing -= 1
 

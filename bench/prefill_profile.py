@@ -1,0 +1,157 @@
+"""Where a prefill chunk's time goes: the forward pass against its own matmul floor.
+
+For one chunk of ``--chunk`` tokens of the embedded model, after ``context``
+tokens are already held:
+
+- ``floor``: the same linear layers alone (q, k, v, o, gate, up, down of every
+  layer over a ``[1, chunk, hidden]`` input), what the chunk costs at the
+  BLAS's speed;
+- ``forward``: the model's forward pass over the chunk, for a full cache
+  (Velox's full cache under ``fast_attention``: what ``full`` and
+  ``prefill_end`` runs do before their selection) and for a streaming
+  PyramidKV cache at budget ``--budget`` (what it holds while streaming:
+  at most its budget, plus the chunk);
+- ``floor / forward``: the share of the forward pass that is matmul work.
+
+With ``--perf`` (Debian's ``linux-perf``) the forward passes are also sampled
+with ``perf record`` and the samples split into GEMM (OpenBLAS), thread waits
+(``sched_yield`` and the scheduler: OpenBLAS's idle thread spinning beside
+MLX's single-threaded elementwise ops), allocation (page clearing and faults,
+malloc), MLX elementwise and other ops, Python, and the rest. Samples count
+both cores, so a share is of CPU time, not of wall time.
+
+    python bench/prefill_profile.py --contexts 0 1024 3840
+    python bench/prefill_profile.py --contexts 0 3840 --perf
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import mlx.core as mx  # noqa: E402
+
+import velox_cache  # noqa: E402
+from bench.common import load_default_model, prose  # noqa: E402
+from velox_cache import KVCacheBuilder, KVCacheConfig  # noqa: E402
+from velox_cache.phases import Phase, tell  # noqa: E402
+
+CATEGORIES = [  # (name, pattern over perf's symbol column), first match wins
+    ("GEMM (OpenBLAS)", r"gemm|gemv|blas_thread_server|inner_thread"),
+    ("thread waits", r"sched_yield|__schedule|do_syscall_64|futex|finish_task_switch|x64_sys_call|_raw_spin"),
+    ("allocation and page faults", r"clear_page|page_fault|malloc|_int_free|\bfree\b|memset|unlink_chunk|mmap|munmap"),
+    ("MLX exp / fma", r"simd::exp|fmaf|exp<"),
+    ("MLX other ops (elementwise, copies, reductions, compiled)", r"mlx::core|f4I|f4O|^0x"),
+    ("Python", r"Py|_PyEval|gc_collect|visit_"),
+]
+
+
+def kinds(budget: int) -> dict:
+    return {
+        "full": KVCacheConfig(method="full"),
+        f"pyramidkv-{budget} streaming": KVCacheConfig(method="pyramidkv", budget=budget, eviction="streaming"),
+    }
+
+
+def matmul_floor(model, chunk: int, repeats: int = 3) -> float:
+    """Seconds for the linear layers of every transformer block over ``chunk`` tokens, best of ``repeats``."""
+    args = model.args
+    x = mx.random.normal((1, chunk, args.hidden_size))
+    h = mx.random.normal((1, chunk, args.intermediate_size))
+    mx.eval(x, h)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for layer in model.model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            mx.eval(attention.q_proj(x), attention.k_proj(x), attention.v_proj(x), attention.o_proj(x),
+                    mlp.gate_proj(x), mlp.up_proj(x), mlp.down_proj(h))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def chunk_forward(model, tokens: list[int], config: KVCacheConfig, context: int, chunk: int) -> float:
+    """Seconds of one model call over ``chunk`` tokens after ``context`` tokens were prefilled in chunks."""
+    caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(tokens))
+    router = velox_cache.observe if config.method != "full" else velox_cache.fast_attention
+    with router(model):
+        tell(caches, Phase.DOCUMENT)
+        for start in range(0, context, chunk):
+            model(mx.array(tokens[start : start + chunk])[None], cache=caches)
+            mx.eval([c.state for c in caches])
+        mx.clear_cache()
+        start = time.perf_counter()
+        model(mx.array(tokens[context : context + chunk])[None], cache=caches)
+        mx.eval([c.state for c in caches])
+        return time.perf_counter() - start
+
+
+def measure(args) -> None:
+    model, tokenizer = load_default_model()
+    longest = max(args.contexts) + args.chunk
+    tokens = tokenizer.encode(prose(longest, tokenizer))[:longest]
+    floor = matmul_floor(model, args.chunk)
+    print(f"matmul floor of a {args.chunk}-token chunk: {floor * 1000:.0f} ms")
+    print("| cache | tokens held before the chunk | forward ms | floor / forward |")
+    print("|---|---|---|---|")
+    for name, config in kinds(args.budget).items():
+        for context in args.contexts:
+            chunk_forward(model, tokens, config, context, args.chunk)  # warm-up
+            if args.stamps:
+                print(f"START {time.clock_gettime(time.CLOCK_MONOTONIC):.6f}", flush=True)
+            seconds = min(chunk_forward(model, tokens, config, context, args.chunk) for _ in range(args.repeats))
+            if args.stamps:
+                print(f"END {time.clock_gettime(time.CLOCK_MONOTONIC):.6f} {name} {context}", flush=True)
+            print(f"| {name} | {context} | {seconds * 1000:.0f} | {floor / seconds:.0%} |", flush=True)
+
+
+def profile(args) -> None:
+    """Run ``measure`` under ``perf record`` and print each forward pass's split by category."""
+    with tempfile.TemporaryDirectory() as scratch:
+        data = Path(scratch, "perf.data")
+        command = ["perf", "record", "-k", "CLOCK_MONOTONIC", "-F", "1999", "-g", "-o", str(data), "--",
+                   sys.executable, __file__, "--stamps", "--chunk", str(args.chunk), "--budget", str(args.budget),
+                   "--repeats", str(args.repeats), "--contexts", *map(str, args.contexts)]
+        printed = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        print("\n".join(line for line in printed.splitlines() if not line.startswith(("START", "END"))))
+        starts = re.findall(r"^START (\S+)$", printed, re.M)
+        ends = re.findall(r"^END (\S+) (.+) (\d+)$", printed, re.M)
+        names = [name for name, _ in CATEGORIES] + ["other"]
+        print("\n| cache | tokens held | " + " | ".join(names) + " |")
+        print("|---|---|" + "---|" * len(names))
+        for start, (end, name, context) in zip(starts, ends):
+            report = subprocess.run(
+                ["perf", "report", "-i", str(data), "--time", f"{start},{end}", "--no-children", "--sort", "symbol",
+                 "-g", "none", "--stdio"], check=True, capture_output=True, text=True).stdout
+            shares = dict.fromkeys(names, 0.0)
+            for percent, symbol in re.findall(r"^\s+([\d.]+)%\s+\[[.k]\]\s+(.+?)\s*$", report, re.M):
+                category = next((n for n, pattern in CATEGORIES if re.search(pattern, symbol)), "other")
+                shares[category] += float(percent)
+            print(f"| {name} | {context} | " + " | ".join(f"{shares[n]:.0f}%" for n in names) + " |")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[0, 1024, 3840],
+                        help="tokens held before the measured chunk")
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--budget", type=int, default=512, help="the streaming cache's budget")
+    parser.add_argument("--repeats", type=int, default=3, help="forward passes timed per row (best taken)")
+    parser.add_argument("--perf", action="store_true", help="also split each forward pass by perf samples")
+    parser.add_argument("--stamps", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    (profile if args.perf else measure)(args)
+
+
+if __name__ == "__main__":
+    from pipeline.platform import ensure_fast_blas
+
+    ensure_fast_blas()  # the perf child inherits the same environment
+    main()
