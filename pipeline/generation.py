@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import mlx.core as mx
@@ -22,7 +22,9 @@ import mlx.core as mx
 import velox_cache
 from velox_cache import KVCacheBuilder, KVCacheConfig, prefill_phases, snapshot
 from velox_cache.accounting import layer_stats
+from velox_cache.batching import BatchUnsupported
 from velox_cache.decode import DecodeRow, decode_rows
+from velox_cache.forcing import feed_together
 from velox_cache.observe import can_route
 
 from .prompting import Prompt
@@ -190,7 +192,22 @@ def generate_together(model, tokenizer, runs: list[PrefilledVariant], *, batch: 
     with _observation_for_all(model, [run.config for run in runs]):
         decode_rows(model, [run.row for run in runs], batch=batch)
     decode_peak = mx.get_peak_memory()
-    return [_finish(model, tokenizer, run, decode_peak) for run in runs]
+    forced = [run for run in runs if run.reference is not None]
+    fidelities = dict(zip(map(id, forced), _teacher_force_runs(model, forced)))
+    return [_finish(tokenizer, run, decode_peak, fidelities.get(id(run))) for run in runs]
+
+
+def _teacher_force_runs(model, runs: list[PrefilledVariant]) -> list[Fidelity]:
+    """Each run's snapshot fed its reference, all in one batched call (``teacher_force_together``)."""
+    if not runs:
+        return []
+    with _observation_for_all(model, [run.config for run in runs]):
+        fidelities = teacher_force_together(
+            model, [(run.prefill_end, run.first_logprobs, run.reference, run.row.sampler) for run in runs]
+        )
+    for run in runs:
+        run.prefill_end = None
+    return fidelities
 
 
 def _observation_for_all(model, configs: list):
@@ -199,13 +216,8 @@ def _observation_for_all(model, configs: list):
     return _observation(model, observed[0] if observed else configs[0])
 
 
-def _finish(model, tokenizer, run: PrefilledVariant, decode_peak: int) -> GenerationResult:
+def _finish(tokenizer, run: PrefilledVariant, decode_peak: int, fidelity: Optional[Fidelity]) -> GenerationResult:
     row = run.row
-    fidelity = None
-    if run.reference is not None:
-        with _observation(model, run.config):
-            fidelity = teacher_force(model, run.prefill_end, run.first_logprobs, run.reference, choice=row.sampler)
-        run.prefill_end = None
     return GenerationResult(
         output=tokenizer.decode(row.tokens),
         prompt_tokens=run.prompt_tokens,
@@ -237,10 +249,42 @@ def teacher_force(
     """
     start = time.perf_counter()
     tokens = list(reference.token_ids)
+    logits = model(mx.array([tokens[:-1]]), cache=caches)[0] if len(tokens) > 1 else None
+    fidelity = _compare(first_logprobs, logits, reference, choice)
+    return replace(fidelity, seconds=time.perf_counter() - start)
+
+
+def teacher_force_together(model, items: list[tuple]) -> list[Fidelity]:
+    """``teacher_force`` for many stacks at once: ``items`` are ``(caches, first_logprobs, reference, choice)``.
+
+    Every stack takes its reference in one batched model call
+    (``velox_cache.forcing.feed_together``), one stack or many, so a document's
+    figures do not depend on how many were forced beside it; stacks that cannot
+    be fed together are forced one at a time. The call's seconds are shared
+    equally by its stacks.
+    """
+    start = time.perf_counter()
+    fed = [i for i, (_, _, reference, _) in enumerate(items) if len(reference.token_ids) > 1]
+    try:
+        logits = feed_together(
+            model, [items[i][0] for i in fed], [list(items[i][2].token_ids)[:-1] for i in fed]
+        ) if fed else []
+    except BatchUnsupported:
+        return [teacher_force(model, caches, first, reference, choice=choice) for caches, first, reference, choice in items]
+    by_item = dict(zip(fed, logits))
+    fidelities = [
+        _compare(first, by_item.get(i), reference, choice) for i, (_, first, reference, choice) in enumerate(items)
+    ]
+    seconds = (time.perf_counter() - start) / max(1, len(items))
+    return [replace(fidelity, seconds=seconds) for fidelity in fidelities]
+
+
+def _compare(first_logprobs: mx.array, logits: Optional[mx.array], reference: Reference, choice) -> Fidelity:
+    """Agreement and log-likelihood gap of the predictions (``first_logprobs``, then ``logits`` ``[n - 1, V]``)."""
+    tokens = list(reference.token_ids)
     n = len(tokens)
     if n == 0:
-        return Fidelity(agreement=1.0, nll_gap=0.0, seconds=time.perf_counter() - start)
-    logits = model(mx.array([tokens[:-1]]), cache=caches)[0] if n > 1 else None
+        return Fidelity(agreement=1.0, nll_gap=0.0, seconds=0.0)
     if choice is not None:  # the free-running output's logits processors (repetition penalty), same history
         logprobs = choice.forced_logprobs(first_logprobs, logits, tokens)
     else:
@@ -250,7 +294,7 @@ def teacher_force(
     matches = (mx.argmax(logprobs, axis=-1) == targets).sum().item()
     token_logprobs = mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
     gap = sum(reference.logprobs) - token_logprobs.sum().item()
-    return Fidelity(agreement=matches / n, nll_gap=gap / n, seconds=time.perf_counter() - start)
+    return Fidelity(agreement=matches / n, nll_gap=gap / n, seconds=0.0)
 
 
 def prefill(model, prompt_tokens, caches, step: int) -> mx.array:
