@@ -22,11 +22,13 @@ both cores, so a share is of CPU time, not of wall time.
 
     python bench/prefill_profile.py --contexts 0 1024 3840
     python bench/prefill_profile.py --contexts 0 3840 --perf
+    python bench/prefill_profile.py --compare-activations
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import subprocess
 import sys
@@ -41,6 +43,7 @@ import mlx.core as mx  # noqa: E402
 import velox_cache  # noqa: E402
 from bench.common import load_default_model, prose  # noqa: E402
 from velox_cache import KVCacheBuilder, KVCacheConfig  # noqa: E402
+from velox_cache.elementwise import ACTIVATIONS  # noqa: E402
 from velox_cache.phases import Phase, tell  # noqa: E402
 
 CATEGORIES = [  # (name, pattern over perf's symbol column), first match wins
@@ -93,14 +96,27 @@ def chunk_forward(model, tokens: list[int], config: KVCacheConfig, context: int,
         return time.perf_counter() - start
 
 
+@contextlib.contextmanager
+def mlx_lm_activations():
+    """mlx-lm's own activations inside the routing contexts (Velox's stand-ins off), for a before/after."""
+    saved = dict(ACTIVATIONS)
+    ACTIVATIONS.clear()
+    try:
+        yield
+    finally:
+        ACTIVATIONS.update(saved)
+
+
 def measure(args) -> None:
     model, tokenizer = load_default_model()
     longest = max(args.contexts) + args.chunk
     tokens = tokenizer.encode(prose(longest, tokenizer))[:longest]
     floor = matmul_floor(model, args.chunk)
     print(f"matmul floor of a {args.chunk}-token chunk: {floor * 1000:.0f} ms")
-    print("| cache | tokens held before the chunk | forward ms | floor / forward |")
-    print("|---|---|---|---|")
+    compare = args.compare_activations
+    print("| cache | tokens held before the chunk | forward ms | floor / forward |"
+          + (" forward ms, mlx-lm's activations | speed-up |" if compare else ""))
+    print("|---|---|---|---|" + ("---|---|" if compare else ""))
     for name, config in kinds(args.budget).items():
         for context in args.contexts:
             chunk_forward(model, tokens, config, context, args.chunk)  # warm-up
@@ -109,7 +125,12 @@ def measure(args) -> None:
             seconds = min(chunk_forward(model, tokens, config, context, args.chunk) for _ in range(args.repeats))
             if args.stamps:
                 print(f"END {time.clock_gettime(time.CLOCK_MONOTONIC):.6f} {name} {context}", flush=True)
-            print(f"| {name} | {context} | {seconds * 1000:.0f} | {floor / seconds:.0%} |", flush=True)
+            line = f"| {name} | {context} | {seconds * 1000:.0f} | {floor / seconds:.0%} |"
+            if compare:
+                with mlx_lm_activations():
+                    before = min(chunk_forward(model, tokens, config, context, args.chunk) for _ in range(args.repeats))
+                line += f" {before * 1000:.0f} | {before / seconds:.2f}x |"
+            print(line, flush=True)
 
 
 def profile(args) -> None:
@@ -145,6 +166,8 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=int, default=512, help="the streaming cache's budget")
     parser.add_argument("--repeats", type=int, default=3, help="forward passes timed per row (best taken)")
     parser.add_argument("--perf", action="store_true", help="also split each forward pass by perf samples")
+    parser.add_argument("--compare-activations", action="store_true",
+                        help="also time each row with mlx-lm's own activations (velox_cache.elementwise off)")
     parser.add_argument("--stamps", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     (profile if args.perf else measure)(args)
