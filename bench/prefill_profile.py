@@ -22,13 +22,15 @@ both cores, so a share is of CPU time, not of wall time.
 
     python bench/prefill_profile.py --contexts 0 1024 3840
     python bench/prefill_profile.py --contexts 0 3840 --perf
-    python bench/prefill_profile.py --compare-activations
+    python bench/prefill_profile.py --compare activations
+    python bench/prefill_profile.py --compare native
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import re
 import subprocess
 import sys
@@ -43,6 +45,7 @@ import mlx.core as mx  # noqa: E402
 import velox_cache  # noqa: E402
 from bench.common import load_default_model, prose  # noqa: E402
 from velox_cache import KVCacheBuilder, KVCacheConfig  # noqa: E402
+from velox_cache import native  # noqa: E402
 from velox_cache.elementwise import ACTIVATIONS  # noqa: E402
 from velox_cache.phases import Phase, tell  # noqa: E402
 
@@ -107,15 +110,31 @@ def mlx_lm_activations():
         ACTIVATIONS.update(saved)
 
 
+@contextlib.contextmanager
+def pure_mlx_ops():
+    """Velox's pure-MLX ops in place of its native ones (``VELOX_NATIVE=0``), for a before/after."""
+    saved = os.environ.get(native.ENVIRONMENT_VARIABLE)
+    os.environ[native.ENVIRONMENT_VARIABLE] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[native.ENVIRONMENT_VARIABLE]
+        else:
+            os.environ[native.ENVIRONMENT_VARIABLE] = saved
+
+
 def measure(args) -> None:
     model, tokenizer = load_default_model()
     longest = max(args.contexts) + args.chunk
     tokens = tokenizer.encode(prose(longest, tokenizer))[:longest]
     floor = matmul_floor(model, args.chunk)
     print(f"matmul floor of a {args.chunk}-token chunk: {floor * 1000:.0f} ms")
-    compare = args.compare_activations
+    print(f"Velox's native ops: {native.status()}")
+    compare = {"activations": mlx_lm_activations, "native": pure_mlx_ops}.get(args.compare)
+    baseline = {"activations": "mlx-lm's activations", "native": "pure-MLX ops"}.get(args.compare)
     print("| cache | tokens held before the chunk | forward ms | floor / forward |"
-          + (" forward ms, mlx-lm's activations | speed-up |" if compare else ""))
+          + (f" forward ms, {baseline} | speed-up |" if compare else ""))
     print("|---|---|---|---|" + ("---|---|" if compare else ""))
     for name, config in kinds(args.budget).items():
         for context in args.contexts:
@@ -127,7 +146,7 @@ def measure(args) -> None:
                 print(f"END {time.clock_gettime(time.CLOCK_MONOTONIC):.6f} {name} {context}", flush=True)
             line = f"| {name} | {context} | {seconds * 1000:.0f} | {floor / seconds:.0%} |"
             if compare:
-                with mlx_lm_activations():
+                with compare():
                     before = min(chunk_forward(model, tokens, config, context, args.chunk) for _ in range(args.repeats))
                 line += f" {before * 1000:.0f} | {before / seconds:.2f}x |"
             print(line, flush=True)
@@ -166,8 +185,9 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=int, default=512, help="the streaming cache's budget")
     parser.add_argument("--repeats", type=int, default=3, help="forward passes timed per row (best taken)")
     parser.add_argument("--perf", action="store_true", help="also split each forward pass by perf samples")
-    parser.add_argument("--compare-activations", action="store_true",
-                        help="also time each row with mlx-lm's own activations (velox_cache.elementwise off)")
+    parser.add_argument("--compare", choices=["activations", "native"],
+                        help="also time each row with mlx-lm's own activations (velox_cache.elementwise off), "
+                             "or with Velox's pure-MLX ops in place of its native ones (VELOX_NATIVE=0)")
     parser.add_argument("--stamps", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     (profile if args.perf else measure)(args)

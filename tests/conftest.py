@@ -23,3 +23,15 @@ def smollm2():
     from pipeline.model_store import load_model
 
     return load_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(params=["native", "pure-mlx"])
+def op_path(request, monkeypatch):
+    """Run a test on Velox's native ops (where built) and again on its pure-MLX ops (``VELOX_NATIVE=0``)."""
+    from velox_cache import native
+
+    if request.param == "native" and native.ops() is None:
+        pytest.skip(f"native ops: {native.status()}")
+    if request.param == "pure-mlx":
+        monkeypatch.setenv(native.ENVIRONMENT_VARIABLE, "0")
+    return request.param

@@ -15,6 +15,9 @@ with less work:
   accurate as the fused kernel against a float64 reference;
 - each row's maximum folds halves of the row together elementwise before
   reducing, since MLX's CPU max-reduction is a slow serial chain;
+- where Velox's native ops are built (``velox_cache.native``), the row maximum
+  and the ``exp`` run as vectorised C++ loops instead, with the same
+  arithmetic: the same bits, several times faster;
 - normalisation is deferred: unnormalised weights times ``[values | 1]`` give
   the output and the row sums in one matmul, and only the ``[S, D]`` output is
   divided;
@@ -37,6 +40,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from . import native
 from .attention import Mask
 
 SQUARINGS = 5  # exp(x) = p(x / 2**5) ** (2**5), p the degree-6 Taylor polynomial of exp
@@ -67,16 +71,28 @@ def _exp_of_shifted(scores: mx.array, row_max: mx.array) -> mx.array:
     return y
 
 
-_fast_exp = mx.compile(_exp_of_shifted, shapeless=True)
+pure_shifted_exp = mx.compile(_exp_of_shifted, shapeless=True)
+
+
+def shifted_exp(scores: mx.array, row_max: mx.array) -> mx.array:
+    """``_exp_of_shifted``: natively where Velox's native ops are built, else compiled MLX (same bits)."""
+    ops = native.ops()
+    return ops.shifted_exp(scores, row_max) if ops is not None else pure_shifted_exp(scores, row_max)
 
 
 def fast_exp(x: mx.array) -> mx.array:
     """``exp(x)`` for ``x <= 0`` in float32 with multiply/add only (see ``_exp_of_shifted``)."""
-    return _fast_exp(x.astype(mx.float32) / 2**SQUARINGS, mx.array(0.0))
+    return shifted_exp(x.astype(mx.float32) / 2**SQUARINGS, mx.array(0.0))
 
 
 def row_max(scores: mx.array) -> mx.array:
-    """Maximum over the last axis, keepdims.
+    """Maximum over the last axis, keepdims: natively where built, else ``pure_row_max``."""
+    ops = native.ops()
+    return ops.row_max(scores) if ops is not None else pure_row_max(scores)
+
+
+def pure_row_max(scores: mx.array) -> mx.array:
+    """Maximum over the last axis, keepdims, from public MLX ops.
 
     MLX's CPU max-reduction runs a serial chain; folding halves together with
     elementwise ``maximum`` first does most of the work at elementwise speed.
@@ -255,7 +271,7 @@ def _weights(parts):
     for scores, _ in parts:
         part_max = row_max(scores)
         block_max = part_max if block_max is None else mx.maximum(block_max, part_max)
-    return [(_fast_exp(scores, block_max), first_key) for scores, first_key in parts]
+    return [(shifted_exp(scores, block_max), first_key) for scores, first_key in parts]
 
 
 def _weighted_values(call: _Call, weights, dim: int):
@@ -336,7 +352,7 @@ def _sampled_entropy(call: _Call, start: int, stop: int) -> mx.array:
         sample_max = part_max if sample_max is None else mx.maximum(sample_max, part_max)
     row_sum = weighted = 0.0
     for scores, _ in parts:
-        w = _fast_exp(scores, sample_max)
+        w = shifted_exp(scores, sample_max)
         x = mx.maximum(scores - sample_max, CUTOFF / 2**SQUARINGS) * 2**SQUARINGS  # exp's argument
         row_sum = row_sum + w.sum(axis=-1, keepdims=True)
         weighted = weighted + (w * x).sum(axis=-1, keepdims=True)

@@ -8,6 +8,8 @@ from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 import velox_cache
 from velox_cache import elementwise
 
+pytestmark = pytest.mark.usefixtures("op_path")  # each test on the native ops and on the pure-MLX ones
+
 
 def test_swiglu_matches_mlx_lms_over_the_whole_range():
     gate = mx.concatenate([mx.random.normal((4096,), key=mx.random.key(0)) * 8, mx.array([-1e4, -90.0, 0.0, 90.0, 1e4])])

@@ -9,6 +9,8 @@ from velox_cache import KVCacheBuilder, KVCacheConfig, kernel
 from velox_cache.kernel import blocked_attention
 from velox_cache.observe import _wrap, is_observing
 
+pytestmark = pytest.mark.usefixtures("op_path")  # each test on the native ops and on the pure-MLX ones
+
 
 def _logits(model, prompt, caches, chunk=32, steps=4):
     outputs = []

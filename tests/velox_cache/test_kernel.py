@@ -15,6 +15,8 @@ from velox_cache import attend_and_score
 from velox_cache.attention import attention_probs, key_mass, normalized_entropy
 from velox_cache.kernel import blocked_attention, fast_exp, row_max
 
+pytestmark = pytest.mark.usefixtures("op_path")  # each test on the native ops and on the pure-MLX ones
+
 TOLERANCE = {mx.float32: 2e-5, mx.float16: 1e-3, mx.bfloat16: 8e-3}
 
 # (kv heads, group, queries, keys, head dim, mask); blocks of 16 query rows

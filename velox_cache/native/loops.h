@@ -1,0 +1,25 @@
+// The elementwise loops behind Velox's native ops, one set per instruction set.
+#pragma once
+
+#include <cstdint>
+
+namespace velox {
+
+struct Loops {
+  const char* instruction_set;
+  // out[0] = max(x[0:n]), NaN if any x is NaN
+  void (*row_max)(const float* x, float* out, int64_t n);
+  // out[i] = the kernel's exp((x[i] - shift) * 2**5), multiply/add only
+  void (*shifted_exp)(const float* x, float shift, float* out, int64_t n);
+  // out[i] = silu(gate[i]) * x[i]
+  void (*swiglu)(const float* gate, const float* x, float* out, int64_t n);
+};
+
+namespace avx512 { extern const Loops loops; }
+namespace avx2 { extern const Loops loops; }
+namespace baseline { extern const Loops loops; }
+
+// The fastest set this CPU can run (and this build has).
+const Loops& best_loops();
+
+}  // namespace velox

@@ -1,0 +1,218 @@
+// Velox's native CPU ops: MLX primitives for the elementwise work that MLX's
+// CPU backend runs as scalar code on x86 (one out-of-line call per `fma` of
+// its `exp`). Each op is a lazy MLX array like any other: it joins the graph,
+// runs on the stream it was built on, and its loops are compiled once per
+// instruction set (AVX-512, AVX2, baseline) and picked at load time.
+//
+// - `row_max(x)`: maximum over the last axis, keepdims (NaN if a row has one).
+// - `shifted_exp(x, m)`: the kernel's `exp((x - m) * 2**5)` with exactly the
+//   arithmetic of `velox_cache.kernel._exp_of_shifted` (multiply and add, no
+//   contraction into FMA), so both paths give the same bits.
+// - `swiglu(gate, x)`: `silu(gate) * x` with a vectorisable float32 `exp`
+//   (Cephes' range reduction and polynomial, ~1 ulp).
+//
+// Inputs are float32 with a contiguous last axis; leading axes may have any
+// strides (slices, broadcasts). Outputs are row-major.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "loops.h"
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+namespace nb = nanobind;
+
+namespace {
+
+// ---------------------------------------------------------------- loops
+
+// The loops (loops.cpp), compiled once per instruction set; the best this CPU runs.
+const velox::Loops& loops() {
+  static const velox::Loops& chosen = velox::best_loops();
+  return chosen;
+}
+
+// ---------------------------------------------------------------- layout
+
+// Offset of row `row` (a flat index over all axes but the last) in `a`.
+int64_t row_offset(const mx::array& a, int64_t row) {
+  int64_t offset = 0;
+  for (int axis = a.ndim() - 2; axis >= 0; --axis) {
+    const int64_t extent = a.shape(axis);
+    offset += (row % extent) * a.strides()[axis];
+    row /= extent;
+  }
+  return offset;
+}
+
+mx::array float32_rows(const mx::array& a, const mx::Stream& s) {
+  auto f = a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s);
+  return f.ndim() == 0 ? mx::reshape(f, {1}, s) : f;
+}
+
+void check_last_axis(const mx::array& a, const char* op) {
+  if (a.ndim() > 0 && a.shape(-1) > 1 && a.strides().back() != 1) {
+    throw std::invalid_argument(std::string(op) + ": last axis must be contiguous");
+  }
+}
+
+// ---------------------------------------------------------------- primitives
+
+class VeloxPrimitive : public mx::Primitive {
+ public:
+  using mx::Primitive::Primitive;
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string(name()) + ": Velox's native ops run on the CPU only");
+  }
+  bool is_equivalent(const mx::Primitive& other) const override { return std::strcmp(name(), other.name()) == 0; }
+};
+
+class RowMax : public VeloxPrimitive {
+ public:
+  using VeloxPrimitive::VeloxPrimitive;
+  const char* name() const override { return "VeloxRowMax"; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = 1;
+    return {shape};
+  }
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    auto& out = outputs[0];
+    check_last_axis(x, name());
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), out = mx::array::unsafe_weak_copy(out)]() mutable {
+      const int64_t n = x.shape(-1), rows = x.size() / n;
+      const float* source = x.data<float>();
+      float* target = out.data<float>();
+      const auto row_max_loop = loops().row_max;
+      for (int64_t row = 0; row < rows; ++row) row_max_loop(source + row_offset(x, row), target + row, n);
+    });
+  }
+};
+
+class ShiftedExp : public VeloxPrimitive {
+ public:
+  using VeloxPrimitive::VeloxPrimitive;
+  const char* name() const override { return "VeloxShiftedExp"; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const auto& shift = inputs[1];  // broadcast to x's shape with a last axis of 1
+    auto& out = outputs[0];
+    check_last_axis(x, name());
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(shift);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), shift = mx::array::unsafe_weak_copy(shift),
+                      out = mx::array::unsafe_weak_copy(out)]() mutable {
+      const int64_t n = x.shape(-1), rows = x.size() / n;
+      const float* source = x.data<float>();
+      const float* shifts = shift.data<float>();
+      float* target = out.data<float>();
+      const auto shifted_exp_loop = loops().shifted_exp;
+      for (int64_t row = 0; row < rows; ++row) {
+        shifted_exp_loop(source + row_offset(x, row), shifts[row_offset(shift, row)], target + row * n, n);
+      }
+    });
+  }
+};
+
+class Swiglu : public VeloxPrimitive {
+ public:
+  using VeloxPrimitive::VeloxPrimitive;
+  const char* name() const override { return "VeloxSwiglu"; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& gate = inputs[0];
+    const auto& x = inputs[1];
+    auto& out = outputs[0];
+    check_last_axis(gate, name());
+    check_last_axis(x, name());
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(gate);
+    encoder.set_input_array(x);
+    encoder.set_output_array(out);
+    encoder.dispatch([gate = mx::array::unsafe_weak_copy(gate), x = mx::array::unsafe_weak_copy(x),
+                      out = mx::array::unsafe_weak_copy(out)]() mutable {
+      const int64_t n = gate.shape(-1), rows = gate.size() / n;
+      const float* gates = gate.data<float>();
+      const float* values = x.data<float>();
+      float* target = out.data<float>();
+      const auto swiglu_loop = loops().swiglu;
+      for (int64_t row = 0; row < rows; ++row) {
+        swiglu_loop(gates + row_offset(gate, row), values + row_offset(x, row), target + row * n, n);
+      }
+    });
+  }
+};
+
+// ---------------------------------------------------------------- ops
+
+mx::Stream cpu_stream() {
+  return mx::default_stream(mx::Device::cpu);  // the stream `with mx.stream(...)` chose, if any
+}
+
+mx::array row_max(const mx::array& x) {
+  const auto s = cpu_stream();
+  auto rows = float32_rows(x, s);
+  if (rows.shape(-1) > 1 && rows.strides().back() != 1) rows = mx::contiguous(rows, false, s);
+  auto shape = rows.shape();
+  shape.back() = 1;
+  return mx::array(shape, mx::float32, std::make_shared<RowMax>(s), {rows});
+}
+
+mx::array shifted_exp(const mx::array& x, const mx::array& shift) {
+  const auto s = cpu_stream();
+  auto rows = float32_rows(x, s);
+  if (rows.shape(-1) > 1 && rows.strides().back() != 1) rows = mx::contiguous(rows, false, s);
+  auto shift_shape = rows.shape();
+  shift_shape.back() = 1;
+  auto shifts = mx::broadcast_to(float32_rows(shift, s), shift_shape, s);
+  return mx::array(rows.shape(), mx::float32, std::make_shared<ShiftedExp>(s), {rows, shifts});
+}
+
+mx::array swiglu(const mx::array& gate, const mx::array& x) {
+  const auto s = cpu_stream();
+  if (gate.shape() != x.shape()) throw std::invalid_argument("swiglu: gate and x must have the same shape");
+  auto dtype = mx::promote_types(gate.dtype(), x.dtype());
+  auto g = float32_rows(gate, s), v = float32_rows(x, s);
+  if (g.shape(-1) > 1 && g.strides().back() != 1) g = mx::contiguous(g, false, s);
+  if (v.shape(-1) > 1 && v.strides().back() != 1) v = mx::contiguous(v, false, s);
+  auto out = mx::array(g.shape(), mx::float32, std::make_shared<Swiglu>(s), {g, v});
+  out = gate.ndim() == 0 ? mx::reshape(out, {}, s) : out;
+  return dtype == mx::float32 ? out : mx::astype(out, dtype, s);
+}
+
+}  // namespace
+
+NB_MODULE(_ops, m) {
+  m.def("instruction_set", [] { return std::string(loops().instruction_set); },
+        "The instruction set of the loops this CPU runs.");
+  m.doc() = "Velox's native CPU ops (see velox_cache.native).";
+  m.def("row_max", &row_max, nb::arg("x"), "Maximum over the last axis, keepdims, float32.");
+  m.def("shifted_exp", &shifted_exp, nb::arg("x"), nb::arg("shift"),
+        "exp((x - shift) * 2**5) by the kernel's multiply/add polynomial; shift has a last axis of 1.");
+  m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"), "silu(gate) * x with a vectorised float32 exp.");
+}
