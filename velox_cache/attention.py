@@ -67,10 +67,13 @@ def max_pool(scores: mx.array, kernel: int) -> mx.array:
     length = scores.shape[-1]
     pad = [(0, 0)] * (scores.ndim - 1) + [(half, half)]
     padded = mx.pad(scores, pad, constant_values=-mx.inf)
-    pooled = padded[..., 0:length]
-    for shift in range(1, kernel):
-        pooled = mx.maximum(pooled, padded[..., shift : shift + length])
-    return pooled
+    # spans[i] = max(padded[i : i + span]) for span = 1, 2, 4, ...: log2(kernel) maximums, not kernel - 1
+    spans, span = padded, 1
+    while 2 * span <= kernel:
+        spans = mx.maximum(spans[..., :-span], spans[..., span:])
+        span *= 2
+    # a window of ``kernel`` is two overlapping spans: its first ``span`` positions and its last
+    return mx.maximum(spans[..., 0:length], spans[..., kernel - span : kernel - span + length])
 
 
 def normalized_entropy(probs: mx.array) -> mx.array:

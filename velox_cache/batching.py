@@ -29,7 +29,7 @@ shapes or dtypes, multi-token calls, attention that did not reach the layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, _BaseCache
@@ -123,37 +123,54 @@ class _Row:
         self.stored = end
 
 
+class HeldRows(NamedTuple):
+    """What B caches of one layer hold, right-padded to the longest row: where a batched layer starts."""
+
+    rows: list  # [_Row]: each row's counts and settings
+    width: int  # the longest row's held tokens
+    keys: mx.array  # [B, H, width, D]
+    values: mx.array  # [B, H, width, Dv]
+    scores: mx.array  # [B, H, width] float32 (zeros for a full cache)
+    positions: mx.array  # [B, H, width] int32
+
+    @classmethod
+    def of(cls, caches: list, layer: int) -> "HeldRows":
+        """Raises ``BatchUnsupported`` when the caches cannot share a batch."""
+        if not caches:
+            raise BatchUnsupported("a batch needs at least one row")
+        rows = [_Row.of(cache, layer) for cache in caches]
+        held = [_held(row) for row in rows]
+        shapes = {(k.shape[1], k.shape[3], v.shape[3], k.dtype, v.dtype) for k, v, _, _ in held}
+        if len(shapes) > 1:
+            raise BatchUnsupported(f"layer {layer}: rows differ in heads, head dims or dtypes: {sorted(map(str, shapes))}")
+        width = max(row.stored for row in rows)
+        padded = [mx.concatenate([_pad(part, width, axis=2) for part in parts]) for parts in zip(*held)]
+        return cls(rows, width, *padded)
+
+
+def _held(row: _Row):
+    """``(keys, values, scores, positions)`` one row holds now."""
+    if row.evicting:
+        slots = row.cache.slots
+        keys, values = slots.held()
+        return keys, values, slots.held_scores(), slots.held_positions()
+    keys, values = row.cache.keys[..., : row.stored, :], row.cache.values[..., : row.stored, :]
+    batch, heads = keys.shape[:2]
+    positions = mx.broadcast_to(mx.arange(row.stored, dtype=mx.int32), (batch, heads, row.stored))
+    return keys, values, mx.zeros((batch, heads, row.stored), mx.float32), positions
+
+
 class BatchedLayer(_BaseCache):
     """One layer's caches of B sequences, decoding one token per row per call (see the module doc)."""
 
     def __init__(self, caches: list, layer: int = 0):
-        if not caches:
-            raise BatchUnsupported("a batch needs at least one row")
         self.layer = layer
-        self.rows = [_Row.of(cache, layer) for cache in caches]
-        held = [self._held(row) for row in self.rows]
-        shapes = {(k.shape[1], k.shape[3], v.shape[3], k.dtype, v.dtype) for k, v, _, _ in held}
-        if len(shapes) > 1:
-            raise BatchUnsupported(f"layer {layer}: rows differ in heads, head dims or dtypes: {sorted(map(str, shapes))}")
-        width = max(row.stored for row in self.rows)
-        self.keys = mx.concatenate([_pad(k, width, axis=2) for k, _, _, _ in held])
-        self.values = mx.concatenate([_pad(v, width, axis=2) for _, v, _, _ in held])
-        self.scores = mx.concatenate([_pad(s, width, axis=2) for _, _, s, _ in held])
-        self.positions = mx.concatenate([_pad(p, width, axis=2) for _, _, _, p in held])
+        held = HeldRows.of(caches, layer)
+        self.rows = held.rows
+        self.keys, self.values, self.scores, self.positions = held.keys, held.values, held.scores, held.positions
         self._settings()
         self._valid = None
         self._attended = True
-
-    @staticmethod
-    def _held(row: _Row):
-        if row.evicting:
-            slots = row.cache.slots
-            keys, values = slots.held()
-            return keys, values, slots.held_scores(), slots.held_positions()
-        keys, values = row.cache.keys[..., : row.stored, :], row.cache.values[..., : row.stored, :]
-        batch, heads = keys.shape[:2]
-        positions = mx.broadcast_to(mx.arange(row.stored, dtype=mx.int32), (batch, heads, row.stored))
-        return keys, values, mx.zeros((batch, heads, row.stored), mx.float32), positions
 
     def _settings(self) -> None:
         """Per-row settings as ``[B, 1, 1]`` arrays for the vectorised steps."""

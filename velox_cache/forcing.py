@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
 from .attend import attend_and_score
-from .batching import BatchedLayer, BatchUnsupported, _pad, _Row
+from .batching import BatchUnsupported, HeldRows
 from .observe import is_routed
 
 PAD_TOKEN = 0  # fed after a shorter row's tokens; its outputs are never read
@@ -34,17 +34,9 @@ class ForcedLayer(_BaseCache):
     """One layer of B stacks taking one multi-token call together (see the module doc)."""
 
     def __init__(self, caches: list, layer: int = 0):
-        if not caches:
-            raise BatchUnsupported("a batch needs at least one row")
         self.layer = layer
-        rows = [_Row.of(cache, layer) for cache in caches]
-        held = [BatchedLayer._held(row) for row in rows]
-        shapes = {(k.shape[1], k.shape[3], v.shape[3], k.dtype, v.dtype) for k, v, _, _ in held}
-        if len(shapes) > 1:
-            raise BatchUnsupported(f"layer {layer}: rows differ in heads, head dims or dtypes: {sorted(map(str, shapes))}")
-        self.width = max(row.stored for row in rows)
-        self.keys = mx.concatenate([_pad(k, self.width, axis=2) for k, _, _, _ in held])  # [B, H, W, D]
-        self.values = mx.concatenate([_pad(v, self.width, axis=2) for _, v, _, _ in held])
+        held = HeldRows.of(caches, layer)
+        rows, self.width, self.keys, self.values = held.rows, held.width, held.keys, held.values
         self._stored = mx.array([row.stored for row in rows], mx.int32)
         self._offset = mx.array([row.offset for row in rows], mx.int32)
         self.attended = False

@@ -23,6 +23,7 @@ from typing import Optional
 import mlx.core as mx
 
 from . import attention
+from .attend import attend_and_score
 from .signals import fold_heads
 
 
@@ -104,10 +105,15 @@ class WindowSelector:
         if self.mass is not None:
             mass = _pad_keys(self.mass, keys.shape[2])[..., : keys.shape[2]]
             return attention.max_pool(mass.sum(axis=2), self.kernel)
-        visible = key_positions[:, :, None, None, :] <= self.positions[None, None, None, :, None]
+        batch, n_q_heads, n_queries, _ = self.queries.shape
+        visible = key_positions[:, :, None, None, :] <= self.positions[None, None, None, :, None]  # [B, H, 1, W, N]
+        group = n_q_heads // keys.shape[1]
+        visible = mx.broadcast_to(visible, (*visible.shape[:2], group, *visible.shape[3:]))
+        visible = visible.reshape(batch, n_q_heads, n_queries, keys.shape[2])
         scale = keys.shape[-1] ** -0.5 if scale is None else scale
-        probs = attention.attention_probs(self.queries, keys, scale, visible)
-        return pooled_mass(probs, self.kernel)
+        # as the window's own attention is computed: Velox's kernel where it runs, else a precise softmax
+        mass = attend_and_score(self.queries, keys, None, scale=scale, mask=visible, score_rows=n_queries).key_mass
+        return attention.max_pool(mass, self.kernel)
 
     def probe_scores(self, key_mass: mx.array, n_keys: int) -> mx.array:
         """The probe's attention mass ``[B, H, N]`` on the first ``n_keys`` keys (the non-probe ones), pooled."""
