@@ -25,7 +25,7 @@ import sys
 import threading
 
 from .attend import attend, kernel_supports, uses_kernel
-from .elementwise import ACTIVATIONS
+from .elementwise import ACTIVATIONS, METHODS
 
 ATTENTION_FUNCTION = "scaled_dot_product_attention"
 _active = 0  # observe contexts open
@@ -96,6 +96,9 @@ def _routed(model, *, observing: bool):
                 if callable(getattr(module, name, None)):
                     originals.append((module, name, getattr(module, name)))
                     replacements.append(stand_in)
+        for (owner, name), stand_in in METHODS.items():
+            originals.append((owner, name, getattr(owner, name)))
+            replacements.append(stand_in)
     with _lock:
         for (module, name, _), replacement in zip(originals, replacements):
             setattr(module, name, replacement)

@@ -1,6 +1,7 @@
 """Velox's stand-ins for mlx-lm's activations: the same values, and in place only inside the routing contexts."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm.models.llama as llama
 import pytest
 from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
@@ -22,16 +23,21 @@ def test_swiglu_matches_mlx_lms_over_the_whole_range():
 @pytest.mark.parametrize("context", ["fast_attention", "observe"])
 def test_routing_puts_the_stand_ins_in_and_takes_them_out(tiny_model, context):
     model, _ = tiny_model
+    original_rope = nn.RoPE.__call__
     with getattr(velox_cache, context)(model):
         assert llama.swiglu is elementwise.swiglu
+        assert nn.RoPE.__call__ is elementwise.rope
     assert llama.swiglu is mlx_lm_swiglu
+    assert nn.RoPE.__call__ is original_rope
 
 
 def test_exact_mode_keeps_mlx_lms_activations(tiny_model, monkeypatch):
     monkeypatch.setenv("VELOX_ATTENTION", "exact")
     model, _ = tiny_model
+    original_rope = nn.RoPE.__call__
     with velox_cache.fast_attention(model):
         assert llama.swiglu is mlx_lm_swiglu
+        assert nn.RoPE.__call__ is original_rope
 
 
 def test_the_stand_ins_leave_even_on_error(tiny_model):

@@ -145,3 +145,30 @@ def test_a_model_decodes_the_same_greedy_tokens_on_both_paths(tiny_model, monkey
     pure_tokens, pure_logits = greedy()
     assert native_tokens == pure_tokens
     assert mx.allclose(native_logits, pure_logits, atol=1e-4, rtol=1e-4).item()
+
+
+@needs_native
+@pytest.mark.parametrize("traditional", [True, False])
+@pytest.mark.parametrize("dims,scale", [(64, 1.0), (32, 1.0), (64, 0.25)])
+def test_rope_matches_mlx_fast_rope_at_any_position(traditional, dims, scale):
+    import mlx.nn as nn
+
+    module = nn.RoPE(dims, traditional=traditional, base=100000.0, scale=scale)
+    x = mx.random.normal((1, 200, 9, 64), key=mx.random.key(8)).transpose(0, 2, 1, 3)  # as queries: strided rows
+    for offset in (0, 100, 16000):
+        expected = mx.fast.rope(x, dims, traditional=traditional, base=100000.0, scale=scale, offset=offset)
+        got = elementwise.rope(module, x, offset)
+        assert got.shape == expected.shape and got.dtype == expected.dtype
+        assert (mx.abs(got - expected).max() / mx.abs(x).max()).item() <= native.ROPE_TOLERANCE
+        if dims < 64:
+            assert mx.array_equal(got[..., dims:], x[..., dims:]).item()
+
+
+def test_rope_with_one_offset_per_row_is_mlx_fast_rope():
+    import mlx.nn as nn
+
+    module = nn.RoPE(16, traditional=True)
+    x = mx.random.normal((2, 3, 1, 16), key=mx.random.key(9))
+    offsets = mx.array([5, 40])
+    expected = mx.fast.rope(x, 16, traditional=True, base=10000.0, scale=1.0, offset=offsets)
+    assert mx.array_equal(elementwise.rope(module, x, offsets), expected).item()

@@ -8,7 +8,9 @@ vectorises (AVX-512 / AVX2 / baseline, picked at load time):
 
 - ``row_max`` and ``shifted_exp``: the attention kernel's row maximum and its
   multiply/add ``exp``, bit for bit what the pure-MLX kernel computes;
-- ``swiglu``: ``silu(gate) * x`` with a ~1 ulp float32 ``exp``.
+- ``swiglu``: ``silu(gate) * x`` with a ~1 ulp float32 ``exp``;
+- ``rope``: RoPE by a table of sines and cosines computed once per chunk
+  (``velox_cache.elementwise.rope``), within ~1.5e-7 of ``mx.fast.rope``.
 
 ``ops()`` returns the loaded module, or None where it is not built (macOS, no
 compiler), did not load, failed its check, or ``VELOX_NATIVE=0`` turns it off;
@@ -27,6 +29,7 @@ import mlx.core as mx
 
 ENVIRONMENT_VARIABLE = "VELOX_NATIVE"  # "0": use the pure-MLX ops even where the native ones are built
 SWIGLU_TOLERANCE = 1e-6  # relative to float64; mlx-lm's own nn.silu is off by up to 1.6e-6
+ROPE_TOLERANCE = 1e-6  # against mx.fast.rope, relative to the largest |x|
 
 
 def ops() -> Optional[ModuleType]:
@@ -64,11 +67,13 @@ def self_check() -> str:
 
     ``row_max`` and ``shifted_exp`` must match bit for bit (masked ``-inf``
     keys, fully masked rows, strided rows and broadcast shifts included);
-    ``swiglu`` within ``SWIGLU_TOLERANCE`` (relative) of a float64 reference.
+    ``swiglu`` within ``SWIGLU_TOLERANCE`` (relative) of a float64 reference;
+    ``rope`` within ``ROPE_TOLERANCE`` of ``mx.fast.rope``.
     """
+    import mlx.nn as nn
     import numpy as np
 
-    from .. import kernel
+    from .. import elementwise, kernel
 
     module, problem = _loaded()
     if module is None:
@@ -97,4 +102,12 @@ def self_check() -> str:
         error = float((np.abs(got - expected)[normal] / np.abs(expected[normal])).max())
         if not error <= SWIGLU_TOLERANCE:
             problems.append(f"swiglu differs by {error:.2e} relative (tolerance {SWIGLU_TOLERANCE:.0e})")
+        x = mx.random.normal((1, 40, 3, 64), key=mx.random.key(4)).transpose(0, 2, 1, 3)  # strided rows
+        for traditional in (True, False):
+            module = nn.RoPE(48, traditional=traditional, base=10000.0)
+            expected = mx.fast.rope(x, 48, traditional=traditional, base=10000.0, scale=1.0, offset=9000)
+            got = elementwise.rope(module, x, 9000)
+            error = (mx.abs(got - expected).max() / mx.abs(x).max()).item()
+            if got.shape != x.shape or not error <= ROPE_TOLERANCE:
+                problems.append(f"rope (traditional={traditional}) differs by {error:.2e} (tolerance {ROPE_TOLERANCE:.0e})")
     return "; ".join(problems)

@@ -54,7 +54,9 @@ def build(verbose: bool = False) -> Path:
     if not built.exists():
         raise RuntimeError(f"the build made no {built.name} in {BUILD_DIRECTORY}")
     target = HERE / built.name
-    shutil.copy2(built, target)
+    staged = target.with_suffix(".new")
+    shutil.copy2(built, staged)
+    staged.replace(target)  # a new file, not rewritten in place: processes using the old one keep it intact
     return target
 
 

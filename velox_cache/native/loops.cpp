@@ -103,8 +103,26 @@ void swiglu(const float* gate, const float* x, float* out, int64_t n) {
   }
 }
 
+void rope(const float* x, const float* cos, const float* sin, float* out, int64_t half, int64_t n,
+          bool traditional) {
+  if (traditional) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float x0 = x[2 * i], x1 = x[2 * i + 1];
+      out[2 * i] = x0 * cos[i] - x1 * sin[i];
+      out[2 * i + 1] = x0 * sin[i] + x1 * cos[i];
+    }
+  } else {
+    for (int64_t i = 0; i < half; ++i) {
+      const float x0 = x[i], x1 = x[i + half];
+      out[i] = x0 * cos[i] - x1 * sin[i];
+      out[i + half] = x0 * sin[i] + x1 * cos[i];
+    }
+  }
+  for (int64_t i = 2 * half; i < n; ++i) out[i] = x[i];
+}
+
 }  // namespace
 
-const Loops loops = {VELOX_NAME(VELOX_ISA), row_max, shifted_exp, swiglu};
+const Loops loops = {VELOX_NAME(VELOX_ISA), row_max, shifted_exp, swiglu, rope};
 
 }  // namespace velox::VELOX_ISA

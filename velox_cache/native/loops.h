@@ -13,6 +13,10 @@ struct Loops {
   void (*shifted_exp)(const float* x, float shift, float* out, int64_t n);
   // out[i] = silu(gate[i]) * x[i]
   void (*swiglu)(const float* gate, const float* x, float* out, int64_t n);
+  // one row of RoPE: the first 2 * half features rotated by (cos, sin) pairs, the rest copied;
+  // traditional pairs are (2i, 2i + 1), the others (i, i + half)
+  void (*rope)(const float* x, const float* cos, const float* sin, float* out, int64_t half, int64_t n,
+               bool traditional);
 };
 
 namespace avx512 { extern const Loops loops; }

@@ -10,6 +10,8 @@
 //   contraction into FMA), so both paths give the same bits.
 // - `swiglu(gate, x)`: `silu(gate) * x` with a vectorisable float32 `exp`
 //   (Cephes' range reduction and polynomial, ~1 ulp).
+// - `rope(x, cos, sin, dims, traditional)`: RoPE by a precomputed table, the
+//   multiplies and adds of `mx.fast.rope` (the table is where they may differ).
 //
 // Inputs are float32 with a contiguous last axis; leading axes may have any
 // strides (slices, broadcasts). Outputs are row-major.
@@ -168,6 +170,51 @@ class Swiglu : public VeloxPrimitive {
   }
 };
 
+class Rope : public VeloxPrimitive {
+ public:
+  Rope(mx::Stream s, int dims, bool traditional) : VeloxPrimitive(s), dims_(dims), traditional_(traditional) {}
+  const char* name() const override { return "VeloxRope"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto* rope = dynamic_cast<const Rope*>(&other);
+    return rope != nullptr && rope->dims_ == dims_ && rope->traditional_ == traditional_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const auto& cos = inputs[1];  // [L, dims / 2], row-major
+    const auto& sin = inputs[2];
+    auto& out = outputs[0];
+    check_last_axis(x, name());
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(cos);
+    encoder.set_input_array(sin);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), cos = mx::array::unsafe_weak_copy(cos),
+                      sin = mx::array::unsafe_weak_copy(sin), out = mx::array::unsafe_weak_copy(out),
+                      half = int64_t(dims_ / 2), traditional = traditional_]() mutable {
+      const int64_t n = x.shape(-1), length = x.shape(-2), rows = x.size() / n;
+      const float* source = x.data<float>();
+      const float* cosines = cos.data<float>();
+      const float* sines = sin.data<float>();
+      float* target = out.data<float>();
+      const auto rope_loop = loops().rope;
+      for (int64_t row = 0; row < rows; ++row) {
+        const int64_t position = row % length;
+        rope_loop(source + row_offset(x, row), cosines + position * half, sines + position * half, target + row * n,
+                  half, n, traditional);
+      }
+    });
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+};
+
 // ---------------------------------------------------------------- ops
 
 mx::Stream cpu_stream() {
@@ -205,6 +252,23 @@ mx::array swiglu(const mx::array& gate, const mx::array& x) {
   return dtype == mx::float32 ? out : mx::astype(out, dtype, s);
 }
 
+mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin, int dims, bool traditional) {
+  const auto s = cpu_stream();
+  if (x.ndim() < 2 || dims % 2 || dims > x.shape(-1)) {
+    throw std::invalid_argument("rope: x must be [..., L, D] with an even dims <= D");
+  }
+  const int length = x.shape(-2), half = dims / 2;
+  if (cos.shape() != mx::Shape{length, half} || sin.shape() != mx::Shape{length, half}) {
+    throw std::invalid_argument("rope: cos and sin must be [L, dims / 2]");
+  }
+  auto rows = float32_rows(x, s);
+  if (rows.strides().back() != 1) rows = mx::contiguous(rows, false, s);
+  auto table = [&](const mx::array& a) { return mx::contiguous(float32_rows(a, s), false, s); };
+  auto out = mx::array(rows.shape(), mx::float32, std::make_shared<Rope>(s, dims, traditional),
+                       {rows, table(cos), table(sin)});
+  return x.dtype() == mx::float32 ? out : mx::astype(out, x.dtype(), s);
+}
+
 }  // namespace
 
 NB_MODULE(_ops, m) {
@@ -214,5 +278,7 @@ NB_MODULE(_ops, m) {
   m.def("row_max", &row_max, nb::arg("x"), "Maximum over the last axis, keepdims, float32.");
   m.def("shifted_exp", &shifted_exp, nb::arg("x"), nb::arg("shift"),
         "exp((x - shift) * 2**5) by the kernel's multiply/add polynomial; shift has a last axis of 1.");
+  m.def("rope", &rope, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("dims"), nb::arg("traditional"),
+        "RoPE of x [..., L, D] by a table of cos and sin [L, dims / 2] (one row per position).");
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"), "silu(gate) * x with a vectorised float32 exp.");
 }
