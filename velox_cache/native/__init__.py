@@ -3,7 +3,7 @@
 MLX's CPU backend runs elementwise ops as scalar code on x86, and its ``exp``
 makes an out-of-line call for every step of its polynomial. A small C++
 extension (``velox_native.cpp``, built by ``python -m velox_cache.native.build``,
-which ``make setup`` runs) adds three MLX primitives whose loops the compiler
+which ``make setup`` runs) adds four MLX primitives whose loops the compiler
 vectorises (AVX-512 / AVX2 / baseline, picked at load time):
 
 - ``row_max`` and ``shifted_exp``: the attention kernel's row maximum and its

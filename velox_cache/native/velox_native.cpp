@@ -71,6 +71,8 @@ void check_last_axis(const mx::array& a, const char* op) {
 
 // ---------------------------------------------------------------- primitives
 
+// The parts every Velox primitive shares: CPU only, one output, and `run`,
+// which allocates the output and schedules `body(inputs, out)` on the stream.
 class VeloxPrimitive : public mx::Primitive {
  public:
   using mx::Primitive::Primitive;
@@ -78,6 +80,26 @@ class VeloxPrimitive : public mx::Primitive {
     throw std::runtime_error(std::string(name()) + ": Velox's native ops run on the CPU only");
   }
   bool is_equivalent(const mx::Primitive& other) const override { return std::strcmp(name(), other.name()) == 0; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ protected:
+  template <typename Body>
+  void run(const std::vector<mx::array>& inputs, mx::array& out, Body body) {
+    for (const auto& input : inputs) check_last_axis(input, name());
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    std::vector<mx::array> weak_inputs;
+    for (const auto& input : inputs) {
+      encoder.set_input_array(input);
+      weak_inputs.push_back(mx::array::unsafe_weak_copy(input));
+    }
+    encoder.set_output_array(out);
+    encoder.dispatch([inputs = std::move(weak_inputs), out = mx::array::unsafe_weak_copy(out), body]() mutable {
+      body(inputs, out);
+    });
+  }
 };
 
 class RowMax : public VeloxPrimitive {
@@ -90,19 +112,11 @@ class RowMax : public VeloxPrimitive {
     return {shape};
   }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const auto& x = inputs[0];
-    auto& out = outputs[0];
-    check_last_axis(x, name());
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_output_array(out);
-    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), out = mx::array::unsafe_weak_copy(out)]() mutable {
+    run(inputs, outputs[0], [](const std::vector<mx::array>& in, mx::array& out) {
+      const auto& x = in[0];
       const int64_t n = x.shape(-1), rows = x.size() / n;
-      const float* source = x.data<float>();
-      float* target = out.data<float>();
-      const auto row_max_loop = loops().row_max;
-      for (int64_t row = 0; row < rows; ++row) row_max_loop(source + row_offset(x, row), target + row, n);
+      const auto loop = loops().row_max;
+      for (int64_t row = 0; row < rows; ++row) loop(x.data<float>() + row_offset(x, row), out.data<float>() + row, n);
     });
   }
 };
@@ -111,28 +125,15 @@ class ShiftedExp : public VeloxPrimitive {
  public:
   using VeloxPrimitive::VeloxPrimitive;
   const char* name() const override { return "VeloxShiftedExp"; }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
-  }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const auto& x = inputs[0];
-    const auto& shift = inputs[1];  // broadcast to x's shape with a last axis of 1
-    auto& out = outputs[0];
-    check_last_axis(x, name());
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_input_array(shift);
-    encoder.set_output_array(out);
-    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), shift = mx::array::unsafe_weak_copy(shift),
-                      out = mx::array::unsafe_weak_copy(out)]() mutable {
+    run(inputs, outputs[0], [](const std::vector<mx::array>& in, mx::array& out) {
+      const auto& x = in[0];
+      const auto& shift = in[1];  // broadcast to x's shape with a last axis of 1
       const int64_t n = x.shape(-1), rows = x.size() / n;
-      const float* source = x.data<float>();
-      const float* shifts = shift.data<float>();
-      float* target = out.data<float>();
-      const auto shifted_exp_loop = loops().shifted_exp;
+      const auto loop = loops().shifted_exp;
       for (int64_t row = 0; row < rows; ++row) {
-        shifted_exp_loop(source + row_offset(x, row), shifts[row_offset(shift, row)], target + row * n, n);
+        loop(x.data<float>() + row_offset(x, row), shift.data<float>()[row_offset(shift, row)],
+             out.data<float>() + row * n, n);
       }
     });
   }
@@ -142,29 +143,15 @@ class Swiglu : public VeloxPrimitive {
  public:
   using VeloxPrimitive::VeloxPrimitive;
   const char* name() const override { return "VeloxSwiglu"; }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
-  }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const auto& gate = inputs[0];
-    const auto& x = inputs[1];
-    auto& out = outputs[0];
-    check_last_axis(gate, name());
-    check_last_axis(x, name());
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(gate);
-    encoder.set_input_array(x);
-    encoder.set_output_array(out);
-    encoder.dispatch([gate = mx::array::unsafe_weak_copy(gate), x = mx::array::unsafe_weak_copy(x),
-                      out = mx::array::unsafe_weak_copy(out)]() mutable {
+    run(inputs, outputs[0], [](const std::vector<mx::array>& in, mx::array& out) {
+      const auto& gate = in[0];
+      const auto& x = in[1];
       const int64_t n = gate.shape(-1), rows = gate.size() / n;
-      const float* gates = gate.data<float>();
-      const float* values = x.data<float>();
-      float* target = out.data<float>();
-      const auto swiglu_loop = loops().swiglu;
+      const auto loop = loops().swiglu;
       for (int64_t row = 0; row < rows; ++row) {
-        swiglu_loop(gates + row_offset(gate, row), values + row_offset(x, row), target + row * n, n);
+        loop(gate.data<float>() + row_offset(gate, row), x.data<float>() + row_offset(x, row),
+             out.data<float>() + row * n, n);
       }
     });
   }
@@ -178,34 +165,19 @@ class Rope : public VeloxPrimitive {
     const auto* rope = dynamic_cast<const Rope*>(&other);
     return rope != nullptr && rope->dims_ == dims_ && rope->traditional_ == traditional_;
   }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
-  }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const auto& x = inputs[0];
-    const auto& cos = inputs[1];  // [L, dims / 2], row-major
-    const auto& sin = inputs[2];
-    auto& out = outputs[0];
-    check_last_axis(x, name());
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_input_array(cos);
-    encoder.set_input_array(sin);
-    encoder.set_output_array(out);
-    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), cos = mx::array::unsafe_weak_copy(cos),
-                      sin = mx::array::unsafe_weak_copy(sin), out = mx::array::unsafe_weak_copy(out),
-                      half = int64_t(dims_ / 2), traditional = traditional_]() mutable {
+    const int64_t half = dims_ / 2;
+    const bool traditional = traditional_;
+    run(inputs, outputs[0], [half, traditional](const std::vector<mx::array>& in, mx::array& out) {
+      const auto& x = in[0];
+      const float* cosines = in[1].data<float>();  // [L, dims / 2], row-major
+      const float* sines = in[2].data<float>();
       const int64_t n = x.shape(-1), length = x.shape(-2), rows = x.size() / n;
-      const float* source = x.data<float>();
-      const float* cosines = cos.data<float>();
-      const float* sines = sin.data<float>();
-      float* target = out.data<float>();
-      const auto rope_loop = loops().rope;
+      const auto loop = loops().rope;
       for (int64_t row = 0; row < rows; ++row) {
         const int64_t position = row % length;
-        rope_loop(source + row_offset(x, row), cosines + position * half, sines + position * half, target + row * n,
-                  half, n, traditional);
+        loop(x.data<float>() + row_offset(x, row), cosines + position * half, sines + position * half,
+             out.data<float>() + row * n, half, n, traditional);
       }
     });
   }
