@@ -172,3 +172,17 @@ def test_rope_with_one_offset_per_row_is_mlx_fast_rope():
     offsets = mx.array([5, 40])
     expected = mx.fast.rope(x, 16, traditional=True, base=10000.0, scale=1.0, offset=offsets)
     assert mx.array_equal(elementwise.rope(module, x, offsets), expected).item()
+
+
+def test_a_module_built_for_another_mlx_is_never_called(monkeypatch):
+    if native.ops() is None:
+        pytest.skip(f"native ops: {native.status()}")
+    monkeypatch.setattr(native._ops, "mlx_version", "0.0.0")
+    native._loaded.cache_clear()
+    try:
+        assert native.ops() is None
+        assert native.status().startswith("built for mlx 0.0.0")
+    finally:
+        monkeypatch.undo()
+        native._loaded.cache_clear()
+    assert native.ops() is not None

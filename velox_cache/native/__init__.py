@@ -53,6 +53,9 @@ def _loaded() -> tuple[Optional[ModuleType], str]:
         from . import _ops
     except ImportError:
         return None, "not built (python -m velox_cache.native.build; needs g++ and cmake)"
+    built_for = getattr(_ops, "mlx_version", None)
+    if built_for != mx.__version__:  # another mlx's ABI: calling into it could crash, so never do
+        return None, f"built for mlx {built_for}, this is mlx {mx.__version__}: rebuild (python -m velox_cache.native.build)"
     try:
         with mx.stream(mx.cpu):
             mx.eval(_ops.row_max(mx.zeros((1, 2))))

@@ -246,6 +246,7 @@ mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin, i
 NB_MODULE(_ops, m) {
   m.def("instruction_set", [] { return std::string(loops().instruction_set); },
         "The instruction set of the loops this CPU runs.");
+  m.attr("mlx_version") = VELOX_MLX_VERSION;  // the mlx this module was built against
   m.doc() = "Velox's native CPU ops (see velox_cache.native).";
   m.def("row_max", &row_max, nb::arg("x"), "Maximum over the last axis, keepdims, float32.");
   m.def("shifted_exp", &shifted_exp, nb::arg("x"), nb::arg("shift"),
