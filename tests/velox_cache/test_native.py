@@ -186,3 +186,13 @@ def test_a_module_built_for_another_mlx_is_never_called(monkeypatch):
         monkeypatch.undo()
         native._loaded.cache_clear()
     assert native.ops() is not None
+
+
+@pytest.mark.parametrize("optional, exit_status", [(True, 0), (False, 1)])
+def test_a_build_that_cannot_run_says_why_and_fails_only_when_required(monkeypatch, capsys, optional, exit_status):
+    monkeypatch.setattr(build.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(build, "missing_tools", lambda: ["cmake"])
+    assert build.main(["--optional"] if optional else []) == exit_status
+    error = capsys.readouterr().err
+    assert "missing cmake" in error and "apt-get install g++ cmake" in error
+    assert ("pure-MLX" in error) == optional
