@@ -14,8 +14,7 @@ faster again and more accurate (2e-7 relative to float64, against this one's
 built: ``mx.fast.rope`` on MLX's CPU backend recomputes its sines and cosines
 on every call (~1.9 ms per SmolLM2 layer for a 256-token chunk's queries and
 keys); the native op applies a table computed once per chunk for all layers,
-with the same multiplies and adds (~1.5e-7 from ``mx.fast.rope`` at any
-position, the table's sines and cosines being correctly rounded).
+with the same multiplies and adds and the same table: ``mx.fast.rope``'s bits.
 
 ``ACTIVATIONS`` maps each mlx-lm module global that ``observe`` and
 ``fast_attention`` replace (where the attention runs on Velox's kernel) to
@@ -30,7 +29,6 @@ from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from . import native
 
@@ -62,16 +60,15 @@ def rope(module: nn.RoPE, x: mx.array, offset: int = 0) -> mx.array:
 
 @functools.lru_cache(maxsize=8)  # one chunk's table serves every layer's queries and keys
 def rope_table(offset: int, length: int, dims: int, base: float, scale: float) -> tuple[mx.array, mx.array]:
-    """``(cos, sin)`` ``[length, dims / 2]`` float32 of positions ``offset ..``, angles rounded as ``mx.fast.rope``'s.
+    """``(cos, sin)`` ``[length, dims / 2]`` float32 of positions ``offset ..``, as ``mx.fast.rope`` computes them.
 
-    The angles are float32 products of float32 positions and frequencies computed
-    as MLX computes them; their sines and cosines are correctly rounded.
+    The same float32 frequencies, angles and MLX ``cos``/``sin``, so the native
+    op gives ``mx.fast.rope``'s bits; lazy, so building it never waits on the device.
     """
     half = dims // 2
     frequencies = mx.exp(-mx.arange(half, dtype=mx.float32) * (math.log(base) / half))
-    positions = mx.arange(offset, offset + length, dtype=mx.float32) * scale
-    angles = np.array(positions[:, None] * frequencies).astype(np.float64)
-    return mx.array(np.cos(angles).astype(np.float32)), mx.array(np.sin(angles).astype(np.float32))
+    angles = (mx.arange(offset, offset + length, dtype=mx.float32) * scale)[:, None] * frequencies
+    return mx.cos(angles), mx.sin(angles)
 
 
 ACTIVATIONS = {"swiglu": swiglu}

@@ -160,6 +160,7 @@ def test_rope_matches_mlx_fast_rope_at_any_position(traditional, dims, scale):
         got = elementwise.rope(module, x, offset)
         assert got.shape == expected.shape and got.dtype == expected.dtype
         assert (mx.abs(got - expected).max() / mx.abs(x).max()).item() <= native.ROPE_TOLERANCE
+        assert mx.array_equal(got, expected).item()
         if dims < 64:
             assert mx.array_equal(got[..., dims:], x[..., dims:]).item()
 
@@ -196,3 +197,11 @@ def test_a_build_that_cannot_run_says_why_and_fails_only_when_required(monkeypat
     error = capsys.readouterr().err
     assert "missing cmake" in error and "apt-get install g++ cmake" in error
     assert ("pure-MLX" in error) == optional
+
+
+@needs_native
+def test_inputs_whose_last_axis_is_strided_are_read_correctly():
+    x = mx.random.normal((3, 64, 40), key=mx.random.key(10)).swapaxes(-1, -2)  # last axis strided
+    assert mx.array_equal(native.ops().row_max(x), kernel.pure_row_max(x)).item()
+    assert mx.array_equal(native.ops().shifted_exp(x / 32, mx.array(0.0)), kernel.pure_shifted_exp(x / 32, mx.array(0.0))).item()
+    assert mx.allclose(native.ops().swiglu(x, x), elementwise.power_swiglu(x, x), rtol=1e-6, atol=1e-6).item()

@@ -10,7 +10,7 @@ vectorises (AVX-512 / AVX2 / baseline, picked at load time):
   multiply/add ``exp``, bit for bit what the pure-MLX kernel computes;
 - ``swiglu``: ``silu(gate) * x`` with a ~1 ulp float32 ``exp``;
 - ``rope``: RoPE by a table of sines and cosines computed once per chunk
-  (``velox_cache.elementwise.rope``), within ~1.5e-7 of ``mx.fast.rope``.
+  (``velox_cache.elementwise.rope``), bit for bit ``mx.fast.rope``.
 
 ``ops()`` returns the loaded module, or None where it is not built (macOS, no
 compiler), did not load, failed its check, or ``VELOX_NATIVE=0`` turns it off;

@@ -11,10 +11,10 @@
 // - `swiglu(gate, x)`: `silu(gate) * x` with a vectorisable float32 `exp`
 //   (Cephes' range reduction and polynomial, ~1 ulp).
 // - `rope(x, cos, sin, dims, traditional)`: RoPE by a precomputed table, the
-//   multiplies and adds of `mx.fast.rope` (the table is where they may differ).
+//   multiplies and adds of `mx.fast.rope`.
 //
-// Inputs are float32 with a contiguous last axis; leading axes may have any
-// strides (slices, broadcasts). Outputs are row-major.
+// Inputs are read in place whatever their strides (slices, broadcasts,
+// transposes); a strided last axis is packed first. Outputs are row-major.
 
 #include <cmath>
 #include <cstdint>
@@ -63,11 +63,28 @@ mx::array float32_rows(const mx::array& a, const mx::Stream& s) {
   return f.ndim() == 0 ? mx::reshape(f, {1}, s) : f;
 }
 
-void check_last_axis(const mx::array& a, const char* op) {
-  if (a.ndim() > 0 && a.shape(-1) > 1 && a.strides().back() != 1) {
-    throw std::invalid_argument(std::string(op) + ": last axis must be contiguous");
+// The rows of a float32 input at run time: leading axes with any strides; a strided last
+// axis (only known once the input is evaluated) is packed into a row-major copy first.
+class RowReader {
+ public:
+  explicit RowReader(const mx::array& a) : a_(a), n_(a.ndim() > 0 ? a.shape(-1) : 1) {
+    if (a.ndim() == 0 || n_ == 1 || a.strides().back() == 1) return;
+    const int64_t rows = a.size() / n_, step = a.strides().back();
+    packed_.resize(a.size());
+    for (int64_t row = 0; row < rows; ++row) {
+      const float* source = a.data<float>() + row_offset(a, row);
+      for (int64_t i = 0; i < n_; ++i) packed_[row * n_ + i] = source[i * step];
+    }
   }
-}
+  const float* operator()(int64_t row) const {
+    return packed_.empty() ? a_.data<float>() + row_offset(a_, row) : packed_.data() + row * n_;
+  }
+
+ private:
+  const mx::array& a_;
+  int64_t n_;
+  std::vector<float> packed_;
+};
 
 // ---------------------------------------------------------------- primitives
 
@@ -87,7 +104,6 @@ class VeloxPrimitive : public mx::Primitive {
  protected:
   template <typename Body>
   void run(const std::vector<mx::array>& inputs, mx::array& out, Body body) {
-    for (const auto& input : inputs) check_last_axis(input, name());
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     std::vector<mx::array> weak_inputs;
@@ -113,10 +129,10 @@ class RowMax : public VeloxPrimitive {
   }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     run(inputs, outputs[0], [](const std::vector<mx::array>& in, mx::array& out) {
-      const auto& x = in[0];
-      const int64_t n = x.shape(-1), rows = x.size() / n;
+      const RowReader x(in[0]);
+      const int64_t n = in[0].shape(-1), rows = in[0].size() / n;
       const auto loop = loops().row_max;
-      for (int64_t row = 0; row < rows; ++row) loop(x.data<float>() + row_offset(x, row), out.data<float>() + row, n);
+      for (int64_t row = 0; row < rows; ++row) loop(x(row), out.data<float>() + row, n);
     });
   }
 };
@@ -127,14 +143,10 @@ class ShiftedExp : public VeloxPrimitive {
   const char* name() const override { return "VeloxShiftedExp"; }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     run(inputs, outputs[0], [](const std::vector<mx::array>& in, mx::array& out) {
-      const auto& x = in[0];
-      const auto& shift = in[1];  // broadcast to x's shape with a last axis of 1
-      const int64_t n = x.shape(-1), rows = x.size() / n;
+      const RowReader x(in[0]), shift(in[1]);  // shift: broadcast to x's shape with a last axis of 1
+      const int64_t n = in[0].shape(-1), rows = in[0].size() / n;
       const auto loop = loops().shifted_exp;
-      for (int64_t row = 0; row < rows; ++row) {
-        loop(x.data<float>() + row_offset(x, row), shift.data<float>()[row_offset(shift, row)],
-             out.data<float>() + row * n, n);
-      }
+      for (int64_t row = 0; row < rows; ++row) loop(x(row), *shift(row), out.data<float>() + row * n, n);
     });
   }
 };
@@ -145,14 +157,10 @@ class Swiglu : public VeloxPrimitive {
   const char* name() const override { return "VeloxSwiglu"; }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     run(inputs, outputs[0], [](const std::vector<mx::array>& in, mx::array& out) {
-      const auto& gate = in[0];
-      const auto& x = in[1];
-      const int64_t n = gate.shape(-1), rows = gate.size() / n;
+      const RowReader gate(in[0]), x(in[1]);
+      const int64_t n = in[0].shape(-1), rows = in[0].size() / n;
       const auto loop = loops().swiglu;
-      for (int64_t row = 0; row < rows; ++row) {
-        loop(gate.data<float>() + row_offset(gate, row), x.data<float>() + row_offset(x, row),
-             out.data<float>() + row * n, n);
-      }
+      for (int64_t row = 0; row < rows; ++row) loop(gate(row), x(row), out.data<float>() + row * n, n);
     });
   }
 };
@@ -169,15 +177,12 @@ class Rope : public VeloxPrimitive {
     const int64_t half = dims_ / 2;
     const bool traditional = traditional_;
     run(inputs, outputs[0], [half, traditional](const std::vector<mx::array>& in, mx::array& out) {
-      const auto& x = in[0];
-      const float* cosines = in[1].data<float>();  // [L, dims / 2], row-major
-      const float* sines = in[2].data<float>();
-      const int64_t n = x.shape(-1), length = x.shape(-2), rows = x.size() / n;
+      const RowReader x(in[0]), cosines(in[1]), sines(in[2]);  // tables: [L, dims / 2]
+      const int64_t n = in[0].shape(-1), length = in[0].shape(-2), rows = in[0].size() / n;
       const auto loop = loops().rope;
       for (int64_t row = 0; row < rows; ++row) {
         const int64_t position = row % length;
-        loop(x.data<float>() + row_offset(x, row), cosines + position * half, sines + position * half,
-             out.data<float>() + row * n, half, n, traditional);
+        loop(x(row), cosines(position), sines(position), out.data<float>() + row * n, half, n, traditional);
       }
     });
   }
@@ -196,7 +201,6 @@ mx::Stream cpu_stream() {
 mx::array row_max(const mx::array& x) {
   const auto s = cpu_stream();
   auto rows = float32_rows(x, s);
-  if (rows.shape(-1) > 1 && rows.strides().back() != 1) rows = mx::contiguous(rows, false, s);
   auto shape = rows.shape();
   shape.back() = 1;
   return mx::array(shape, mx::float32, std::make_shared<RowMax>(s), {rows});
@@ -205,7 +209,6 @@ mx::array row_max(const mx::array& x) {
 mx::array shifted_exp(const mx::array& x, const mx::array& shift) {
   const auto s = cpu_stream();
   auto rows = float32_rows(x, s);
-  if (rows.shape(-1) > 1 && rows.strides().back() != 1) rows = mx::contiguous(rows, false, s);
   auto shift_shape = rows.shape();
   shift_shape.back() = 1;
   auto shifts = mx::broadcast_to(float32_rows(shift, s), shift_shape, s);
@@ -217,8 +220,6 @@ mx::array swiglu(const mx::array& gate, const mx::array& x) {
   if (gate.shape() != x.shape()) throw std::invalid_argument("swiglu: gate and x must have the same shape");
   auto dtype = mx::promote_types(gate.dtype(), x.dtype());
   auto g = float32_rows(gate, s), v = float32_rows(x, s);
-  if (g.shape(-1) > 1 && g.strides().back() != 1) g = mx::contiguous(g, false, s);
-  if (v.shape(-1) > 1 && v.strides().back() != 1) v = mx::contiguous(v, false, s);
   auto out = mx::array(g.shape(), mx::float32, std::make_shared<Swiglu>(s), {g, v});
   out = gate.ndim() == 0 ? mx::reshape(out, {}, s) : out;
   return dtype == mx::float32 ? out : mx::astype(out, dtype, s);
@@ -234,8 +235,7 @@ mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin, i
     throw std::invalid_argument("rope: cos and sin must be [L, dims / 2]");
   }
   auto rows = float32_rows(x, s);
-  if (rows.strides().back() != 1) rows = mx::contiguous(rows, false, s);
-  auto table = [&](const mx::array& a) { return mx::contiguous(float32_rows(a, s), false, s); };
+  auto table = [&](const mx::array& a) { return float32_rows(a, s); };
   auto out = mx::array(rows.shape(), mx::float32, std::make_shared<Rope>(s, dims, traditional),
                        {rows, table(cos), table(sin)});
   return x.dtype() == mx::float32 ? out : mx::astype(out, x.dtype(), s);
