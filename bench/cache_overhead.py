@@ -13,6 +13,7 @@ test: nothing here asserts on time.
 
     python bench/cache_overhead.py --lengths 1024 4096 8192 --policies plain+fast full pyramidkv squeeze \\
         --budgets 512 --scorings observed --repeats 2
+    python bench/cache_overhead.py --lengths 4096 --policies pyramidkv pyramidkv+adaptive --scorings observed
 """
 
 from __future__ import annotations
@@ -34,12 +35,17 @@ DEFAULT_POLICIES = list(UNBUDGETED) + [p for p in POLICIES if p != "full"] + ["p
 
 
 def policy_config(policy: str, budget: int, scoring: str, overrides: dict = None) -> KVCacheConfig:
-    """``name`` or ``name:continuous`` (continuous H2O eviction instead of the default timing).
+    """``name[:continuous][+uniform|+adaptive]``: the policy, its timing, its head budgets.
 
+    ``:continuous`` evicts by H2O mass after every chunk instead of the default
+    timing; ``+adaptive`` gives each KV head its own budget (``head_budgets``).
     ``overrides``: extra ``KVCacheConfig`` fields (``--set``).
     """
-    method, _, timing = policy.partition(":")
+    name, _, heads = policy.partition("+")
+    method, _, timing = name.partition(":")
     extra = {"eviction": "continuous", "selection": "cumulative"} if timing == "continuous" else {}
+    if heads:
+        extra["head_budgets"] = heads
     return KVCacheConfig(method=method, budget=budget, scoring=scoring, **{**extra, **(overrides or {})})
 
 
@@ -75,7 +81,8 @@ def main(argv=None):
         "--policies",
         nargs="+",
         default=DEFAULT_POLICIES,
-        help="plain+fast, full, policy names; NAME:continuous evicts by H2O mass after every chunk",
+        help="plain+fast, full, policy names; NAME:continuous evicts by H2O mass after every chunk, "
+        "NAME+adaptive gives each KV head its own budget",
     )
     parser.add_argument("--scorings", nargs="+", default=["key_proxy", "observed"])
     parser.add_argument("--decode-steps", type=int, default=16)
@@ -85,7 +92,7 @@ def main(argv=None):
                         help="extra KVCacheConfig fields for the budgeted policies, e.g. mass_weight=0")
     args = parser.parse_args(argv)
     for policy in args.policies:
-        if policy not in UNBUDGETED and policy.partition(":")[0] not in POLICIES:
+        if policy not in UNBUDGETED and policy.partition("+")[0].partition(":")[0] not in POLICIES:
             parser.error(f"--policies: unknown policy {policy!r}")
 
     overrides = config_overrides(args.set)

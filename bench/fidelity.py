@@ -8,10 +8,11 @@ instruction as its probe), the full cache generates a greedy
 summary; every policy at every budget then generates its own and is
 teacher-forced on the full output from a snapshot of its cache taken when
 prefill ended (``pipeline.generation.generate(..., reference=...)``). Prints,
-per policy x budget x timing, the mean and the worst document's top-1
+per policy x heads x timing x budget, the mean and the worst document's top-1
 agreement (1.0 = identical behaviour) and log-likelihood gap (nats per token).
 
     python bench/fidelity.py --documents 8 --fractions 0.5 0.25 0.1 --timings default streaming
+    python bench/fidelity.py --policies pyramidkv squeeze --heads uniform adaptive --fractions 0.5 0.25 0.1
     python bench/fidelity.py --documents 2 --policies pyramidkv --min-tokens 1000 --max-tokens 1500
 """
 
@@ -58,6 +59,7 @@ def main(argv=None):
     parser.add_argument("--policies", nargs="+", default=[p for p in POLICIES if p != "full"])
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25, 0.1])
     parser.add_argument("--timings", nargs="+", default=["default"], help="eviction timings: default, continuous, prefill_end, streaming")
+    parser.add_argument("--heads", nargs="+", default=["default"], help="head budgets: default (the policy's), uniform, adaptive")
     parser.add_argument("--output-tokens", type=int, default=40)
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="extra KVCacheConfig fields")
     args = parser.parse_args(argv)
@@ -72,26 +74,30 @@ def main(argv=None):
         full = generate(model, tokenizer, prompt, KVCacheConfig(method="full"), settings)
         reference = Reference(full.token_ids, full.logprobs)
         for policy in args.policies:
-            for timing in args.timings:
-                for fraction in args.fractions:
-                    budget = max(8, int(len(prompt.tokens) * fraction))
-                    fields = dict(method=policy, budget=budget, scoring="observed", **extra)
-                    if timing != "default":
-                        fields["eviction"] = timing
-                    result = generate(model, tokenizer, prompt, KVCacheConfig(**fields), settings, reference=reference)
-                    rows.setdefault((policy, timing, fraction), []).append((name, result.fidelity))
+            for heads in args.heads:
+                for timing in args.timings:
+                    for fraction in args.fractions:
+                        budget = max(8, int(len(prompt.tokens) * fraction))
+                        fields = dict(method=policy, budget=budget, scoring="observed", **extra)
+                        if timing != "default":
+                            fields["eviction"] = timing
+                        if heads != "default":
+                            fields["head_budgets"] = heads
+                        config = KVCacheConfig(**fields)
+                        result = generate(model, tokenizer, prompt, config, settings, reference=reference)
+                        rows.setdefault((policy, heads, timing, fraction), []).append((name, result.fidelity))
         print(f"# {name}: {len(prompt.tokens)} prompt tokens, {len(reference.token_ids)} reference tokens", flush=True)
 
     print(f"\nFidelity to the full cache: {len(documents)} documents of {args.min_tokens}-{args.max_tokens} prompt "
           f"tokens, {args.output_tokens} greedy tokens, SmolLM2-135M {' '.join(args.set)}\n")
-    print("| policy | timing | budget | mean agreement | worst agreement (document) | mean NLL gap | worst NLL gap |")
-    print("|---|---|---|---|---|---|---|")
-    for (policy, timing, fraction), values in rows.items():
+    print("| policy | heads | timing | budget | mean agreement | worst agreement (document) | mean NLL gap | worst NLL gap |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (policy, heads, timing, fraction), values in rows.items():
         agreements = [f.agreement for _, f in values]
         gaps = [f.nll_gap for _, f in values]
         worst = min(values, key=lambda v: v[1].agreement)
         print(
-            f"| {policy} | {timing} | {fraction:.0%} | {sum(agreements) / len(agreements):.3f} | "
+            f"| {policy} | {heads} | {timing} | {fraction:.0%} | {sum(agreements) / len(agreements):.3f} | "
             f"{worst[1].agreement:.3f} ({worst[0]}) | {sum(gaps) / len(gaps):.3f} | {max(gaps):.3f} |",
             flush=True,
         )

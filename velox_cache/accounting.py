@@ -17,6 +17,11 @@ class CacheAccounting:
         return self.offset
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads of the layer (the key buffer's head axis unless the cache says otherwise)."""
+        return self.keys.shape[1]
+
+    @property
     def kept_bytes(self) -> int:
         """Bytes of the key and value arrays this cache actually holds (``nbytes``)."""
         if self.keys is None:
@@ -28,7 +33,7 @@ class CacheAccounting:
         """Bytes that keys and values of every token seen would take at the held dtype."""
         if self.keys is None:
             return 0
-        batch, heads, _, key_dim = self.keys.shape
+        batch, key_dim, heads = self.keys.shape[0], self.keys.shape[-1], self.kv_heads
         value_dim = self.values.shape[-1]
         per_token = key_dim * self.keys.itemsize + value_dim * self.values.itemsize
         return self.seen_per_head * batch * heads * per_token
@@ -44,7 +49,7 @@ class CacheAccounting:
         """Token positions ever passed to ``update_and_fetch``, summed over batch and heads."""
         if self.keys is None:
             return 0
-        return self.seen_per_head * self.keys.shape[0] * self.keys.shape[1]
+        return self.seen_per_head * self.keys.shape[0] * self.kv_heads
 
     @property
     def nbytes(self) -> int:

@@ -23,6 +23,7 @@ always counts every token passed in (probes excepted).
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import mlx.core as mx
@@ -38,6 +39,8 @@ from .phases import LayerPhase, Phase, ProbeMark
 from .scoring import LayerScoring
 from .selection import WindowSelector, blend_with_mass
 from .signals import CumulativeMass
+from .head_slots import HeadPooledSlots
+from .observe import is_routed
 from .slots import TokenSlots
 from .timing import make_timing
 
@@ -67,6 +70,7 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
         self.layer_id = layer_id
         choices = PolicyChoices.resolve(type(self), config)
         self.eviction, self.prefill_selection, self.mass_weight = choices.eviction, choices.selection, choices.mass_weight
+        self.head_budgets = choices.head_budgets
         self.allocation = self.allocator(config, layer_id, coordinator)
         self.slots = TokenSlots(self.signal, config.n_sink, config.recent_window)
         self.timing = make_timing(self.eviction, self.prefill_selection)
@@ -85,6 +89,11 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
         """The policy's share of cumulative mass in a window's or probe's ranking under ``eviction``."""
         return 0.0
 
+    @classmethod
+    def default_head_budgets(cls, eviction: str) -> str:
+        """``uniform`` or ``adaptive``: how the policy splits a layer's budget over its heads under ``eviction``."""
+        return "uniform"
+
     @property
     def uses_probes(self) -> bool:
         """True under the streaming timing: a probe's attention ranks the held tokens."""
@@ -99,6 +108,8 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
             return "the cache's last call is still waiting for its attention"
         if not self._evicting_now():
             return "a cache that does not evict while decoding cannot batch"
+        if slots.heads_pooled:
+            return "a cache with per-head budgets (head_budgets='adaptive') decodes alone"
         if slots.stored > self.layer_budget:
             return f"holds {slots.stored} tokens over its budget of {self.layer_budget}"
         return None
@@ -183,6 +194,11 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
             self._start(keys, values)
         if n_new > 1:
             self._check_shared_mask(n_new)
+        if slots.heads_pooled and not is_routed():
+            raise RuntimeError(
+                f"layer {self.layer_id}: per-head budgets (head_budgets='adaptive') need the model's attention "
+                "routed through Velox: run it inside `velox_cache.observe(model)` or `velox_cache.fast_attention(model)`"
+            )
         if keys.dtype != slots.keys.dtype or values.dtype != slots.values.dtype:
             keys, values = keys.astype(slots.keys.dtype), values.astype(slots.values.dtype)
         if n_new == 1 and progress.prefilling and slots.offset > 0 and progress.told is None:
@@ -192,7 +208,7 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
         budget = self.allocation.budget()
         if n_new == 1 and self._evicting_now():
             self._evict_to(budget)
-            if slots.stored == budget:
+            if slots.at_budget(budget):
                 slots.replace_lowest(keys, values, budget)
             else:
                 self._append(keys, values, budget)
@@ -260,7 +276,10 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
     values = property(lambda self: self.slots.values, doc="Value buffer ``[B, H, T, D]``.")
     scores = property(lambda self: self.slots.scores, doc="Ranking scores ``[B, H, T]`` (higher = keep).")
     positions = property(lambda self: self.slots.positions, doc="The position each slot's key is rotated at ``[B, H, T]``.")
-    tokens_kept = property(lambda self: self.slots.stored, doc="Tokens currently held per head.")
+    tokens_kept = property(
+        lambda self: self.slots.kept_per_head, doc="Tokens currently held per head (the mean, under per-head budgets)."
+    )
+    kv_heads = property(lambda self: self.slots.kv_heads, doc="Key/value heads of the layer.")
     seen_per_head = property(
         lambda self: self.slots.tokens_seen,
         doc="Tokens passed to ``update_and_fetch`` per head (probes excepted; not reset by compaction).",
@@ -284,17 +303,46 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
             self.selector.keep(keep, before)
 
     def _rank_and_evict(self, ranking: mx.array) -> None:
-        """Settle the budget, rank the held slots by ``ranking`` (blended with mass) and evict to budget."""
+        """Settle the budget, rank the held slots by ``ranking`` (blended with mass) and evict to budget.
+
+        Under ``head_budgets='adaptive'`` the layer's heads are pooled first
+        (``HeadPooledSlots``): one selection over all of them.
+        """
         self.allocation.settle()
         self.slots.set_scores(blend_with_mass(ranking, self.slots.held_scores(), self.mass_weight))
-        self._evict_to(self.allocation.budget())
+        if self.head_budgets == "adaptive" and not self.slots.heads_pooled:
+            self._pool_heads()
+        self._evict_to(self._selection_budget())
+
+    def _selection_budget(self) -> int:
+        """The budget a selection evicts to: the layer's, widened by ``stream_headroom`` while prefill reads on."""
+        budget = self.allocation.budget()
+        if self.progress.prefilling:
+            return math.ceil(budget * self.config.stream_headroom)
+        return budget
+
+    def _pool_heads(self) -> None:
+        """From here on each KV head keeps its own number of tokens (``velox_cache.head_slots``)."""
+        if self.scoring != "observed":
+            raise RuntimeError(
+                f"layer {self.layer_id}: head_budgets='adaptive' needs observed scoring (run the model inside "
+                "`velox_cache.observe(model)`), this layer scores by the key proxy"
+            )
+        if self.selector.mass is not None:
+            raise RuntimeError(
+                f"layer {self.layer_id}: head_budgets='adaptive' needs attention over the held keys themselves; "
+                "this model derives its keys from them or adds sinks or position scores"
+            )
+        self.slots = HeadPooledSlots.pooled(self.slots, self.config.head_floor)
 
     def _select_by_window(self) -> None:
         """SnapKV: rank the held slots by the remembered window's pooled attention and evict to budget."""
         if not self.selector.ready:
             return
-        keys, _ = self.slots.held()
-        self._rank_and_evict(self.selector.scores(keys, self.slots.held_positions(), scale=self._window_scale()))
+        slots = self.slots
+        keys, _ = slots.held()
+        ranking = self.selector.scores(keys, slots.held_positions(), scale=self._window_scale(), slots=slots)
+        self._rank_and_evict(ranking)
 
     def _select_if_due(self) -> None:
         """Streaming: the last chunk's window selection, when the next document chunk is about to come."""

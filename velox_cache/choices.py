@@ -14,11 +14,13 @@ class PolicyChoices:
         selection: what ranks tokens at the end of prefill, ``cumulative`` or ``window``
             (streaming always ranks by a window or a probe).
         mass_weight: share of cumulative mass blended into a window's or probe's ranking.
+        head_budgets: ``uniform`` or ``adaptive`` (one selection over the layer's heads).
     """
 
     eviction: str
     selection: str
     mass_weight: float
+    head_budgets: str = "uniform"
 
     @classmethod
     def resolve(cls, policy, config) -> "PolicyChoices":
@@ -26,4 +28,5 @@ class PolicyChoices:
         eviction = config.eviction or policy.default_eviction
         selection = config.selection or ("window" if eviction == "streaming" else policy.default_selection)
         mass_weight = policy.default_mass_weight(eviction) if config.mass_weight is None else config.mass_weight
-        return cls(eviction, selection, mass_weight)
+        head_budgets = config.head_budgets or policy.default_head_budgets(eviction)
+        return cls(eviction, selection, mass_weight, head_budgets)

@@ -12,6 +12,7 @@ SCORINGS = ("observed", "key_proxy")
 EVICTIONS = ("continuous", "prefill_end", "streaming")
 SELECTIONS = ("cumulative", "window")
 KV_DTYPES = ("float16", "bfloat16", "float32")
+HEAD_BUDGETS = ("uniform", "adaptive")
 
 # Field names of the original library, kept so that code written for it runs unchanged.
 ALIASES = {
@@ -126,6 +127,21 @@ class KVCacheConfig:
             window selects at prefill end (``prefill_end``, ``streaming``) and
             at every probe selection of ``streaming``. ``None`` takes the
             policy's default (squeeze at ``prefill_end`` 0.3, otherwise 0).
+        head_budgets: ``uniform`` (every KV head of a layer keeps the layer's
+            budget) or ``adaptive`` (AdaKV: where a window or a probe ranks
+            tokens, one selection over all heads of the layer keeps the same
+            total, every head at least ``head_floor`` of the budget; the held
+            bytes follow the per-head counts, ``velox_cache.head_slots``).
+            Needs observed scoring. ``None`` takes the policy's default.
+        head_floor: under ``adaptive``, the share of the layer's per-head
+            budget every head keeps at least, in [0, 1] (AdaKV's alpha).
+        stream_headroom: under ``streaming``, what each probe (or a chunk's own
+            window) evicts to while the document is read, as a multiple of the
+            layer's budget (at least 1); the instruction's selection when
+            prefill ends evicts to the budget itself. Held keys stay within
+            ``budget * stream_headroom`` + chunk + probe during prefill. 2 by
+            default: streaming then tracks the full cache closer (1 = evict to
+            the budget at every probe, the least memory).
     """
 
     method: str = "pyramidkv"
@@ -142,6 +158,9 @@ class KVCacheConfig:
     window: int = 32
     kernel: int = 31
     mass_weight: Optional[float] = None
+    head_budgets: Optional[str] = None
+    head_floor: float = 0.2
+    stream_headroom: float = 2.0
 
     def __post_init__(self):
         _check_choice("method", self.method, known_methods())
@@ -160,6 +179,14 @@ class KVCacheConfig:
         _check_int("window", self.window, 1)
         _check_int("kernel", self.kernel, 1)
         _check_number("mass_weight", self.mass_weight, 0.0, 1.0, optional=True)
+        _check_choice("head_budgets", self.head_budgets, HEAD_BUDGETS, optional=True)
+        _check_number("head_floor", self.head_floor, 0.0, 1.0)
+        _check_number("stream_headroom", self.stream_headroom, 1.0)
+        if self.head_budgets == "adaptive" and self.scoring == "key_proxy":
+            raise ConfigError(
+                "head_budgets: 'adaptive' ranks each head's tokens by the real queries' attention; "
+                "it needs scoring 'observed', not 'key_proxy'"
+            )
         if self.kernel % 2 == 0:
             raise ConfigError(f"kernel: must be odd, got {self.kernel}")
         if self.eviction == "streaming":

@@ -5,11 +5,12 @@ A prompt is a ``prefix`` (system message, chat header), a ``document`` and an
 template's tail). The document is read in chunks of ``chunk_size``. Under the
 streaming timing (FINCH) the instruction also runs as a *probe* on top of
 every chunk but the last: its queries rank the held and new tokens, each
-layer evicts to its budget and the probe is dropped without a trace. The
-last chunk needs no probe: the instruction itself follows, and its queries
-rank what is held when decoding starts. Per layer, held keys never exceed
-budget + chunk + probe, and every chunk attends to at most that many keys, so
-prefill time grows linearly with the document.
+layer evicts to its budget (times ``stream_headroom``, 2 by default) and the
+probe is dropped without a trace. The last chunk needs no probe: the
+instruction itself follows, and its queries rank what is held when decoding
+starts, evicting to the budget itself. Per layer, held keys never exceed
+budget x headroom + chunk + probe, and every chunk attends to at most that
+many keys, so prefill time grows linearly with the document.
 
 Positions: original positions are kept while the prompt fits the model's
 context. When the next chunk and its probe, or the instruction and the

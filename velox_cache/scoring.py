@@ -59,7 +59,8 @@ class LayerScoring:
         the model's attention with the arrays ``update_and_fetch`` returned
         (or keys derived from them, as multi-head latent attention does).
         With observed scoring, the scores come from the same pass as the
-        output (``attend_and_score``); otherwise this is plain attention.
+        output (``attend_and_score``, through ``slots.attend``, which knows
+        how the held heads are laid out); otherwise this is plain attention.
         ``sinks`` (per-head logits that take softmax mass, as in gpt-oss)
         count in both. An array mask built for another layer's key count is
         rebuilt for this layer's (``masks.fit_mask``).
@@ -69,10 +70,10 @@ class LayerScoring:
             self._mask_reaches_attention = is_plain_causal(mask)
             mask = fit_mask(mask, n_queries, keys.shape[2])
         if self.scoring != "observed":
-            return attend_and_score(queries, keys, values, scale=scale, mask=mask, sinks=sinks).output
+            return self.slots.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks).output
         self._forget_pending_observation()
         self._observed_scale = scale
-        result = attend_and_score(
+        result = self.slots.attend(
             queries,
             keys,
             values,
@@ -197,7 +198,7 @@ class LayerScoring:
         key_mass = fold_heads(result.key_mass, self.slots.keys.shape[1])
         if progress.in_probe:
             if self.timing.uses_probes:
-                progress.probe_scores = self.selector.probe_scores(key_mass, progress.probe.stored)
+                progress.probe_scores = self.selector.probe_scores(key_mass, progress.probe.stored, self.slots)
             return
         self.signal.fold(self.slots, key_mass)
         if progress.prefilling:

@@ -94,30 +94,42 @@ class WindowSelector:
         index = mx.broadcast_to(indices[:, :, None], (*mass.shape[:3], indices.shape[-1]))
         self.mass = mx.take_along_axis(mass, index, axis=-1)
 
-    def scores(self, keys: mx.array, key_positions: mx.array, *, scale: Optional[float] = None) -> mx.array:
+    def scores(
+        self, keys: mx.array, key_positions: mx.array, *, scale: Optional[float] = None, slots=None
+    ) -> mx.array:
         """SnapKV: the remembered queries' attention on ``keys`` ``[B, H, N, D]``, max-pooled ``[B, H, N]``.
 
         A query sees the keys at or before its own position (``key_positions``
         ``[B, H, N]``). ``scale`` is the softmax scale of the remembered
-        queries (default ``D ** -0.5``). Attention kept as computed is used as
-        it is.
+        queries (default ``D ** -0.5``). ``slots`` (the ``TokenSlots`` that
+        hold ``keys``) says which keys each query head sees and pools by head
+        where the layer's heads share one buffer (per-head budgets). Attention
+        kept as computed is used as it is.
         """
+        pool = attention.max_pool if slots is None else slots.pool
         if self.mass is not None:
             mass = _pad_keys(self.mass, keys.shape[2])[..., : keys.shape[2]]
-            return attention.max_pool(mass.sum(axis=2), self.kernel)
+            return pool(mass.sum(axis=2), self.kernel)
         batch, n_q_heads, n_queries, _ = self.queries.shape
         visible = key_positions[:, :, None, None, :] <= self.positions[None, None, None, :, None]  # [B, H, 1, W, N]
         group = n_q_heads // keys.shape[1]
         visible = mx.broadcast_to(visible, (*visible.shape[:2], group, *visible.shape[3:]))
         visible = visible.reshape(batch, n_q_heads, n_queries, keys.shape[2])
+        heads_see = None if slots is None else slots.heads_see(n_q_heads)
+        if heads_see is not None:
+            visible = visible & heads_see
         scale = keys.shape[-1] ** -0.5 if scale is None else scale
         # as the window's own attention is computed: Velox's kernel where it runs, else a precise softmax
         mass = attend_and_score(self.queries, keys, None, scale=scale, mask=visible, score_rows=n_queries).key_mass
-        return attention.max_pool(mass, self.kernel)
+        return pool(mass, self.kernel)
 
-    def probe_scores(self, key_mass: mx.array, n_keys: int) -> mx.array:
-        """The probe's attention mass ``[B, H, N]`` on the first ``n_keys`` keys (the non-probe ones), pooled."""
-        return attention.max_pool(key_mass[..., :n_keys], self.kernel)
+    def probe_scores(self, key_mass: mx.array, n_keys: int, slots=None) -> mx.array:
+        """The probe's attention mass ``[B, H, N]`` on the first ``n_keys`` keys (the non-probe ones), pooled.
+
+        ``slots``: the ``TokenSlots`` the keys are in (they pool by head where heads share one buffer).
+        """
+        pool = attention.max_pool if slots is None else slots.pool
+        return pool(key_mass[..., :n_keys], self.kernel)
 
 
 def blend_with_mass(ranking: mx.array, mass: mx.array, weight: float) -> mx.array:

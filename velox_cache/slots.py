@@ -28,6 +28,9 @@ from typing import Optional
 
 import mlx.core as mx
 
+from . import attention
+from .attend import AttentionResult, attend_and_score
+
 GROWTH_STEP = 256  # buffer growth granularity, as mlx-lm's KVCache
 
 
@@ -58,6 +61,34 @@ class TokenSlots:
     @property
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads of the layer (the buffers' head axis)."""
+        return 0 if self.keys is None else self.keys.shape[1]
+
+    @property
+    def kept_per_head(self) -> int:
+        """Tokens each head holds."""
+        return self.stored
+
+    def at_budget(self, budget: int) -> bool:
+        """True when every head holds exactly ``budget`` tokens (a decode token then replaces one)."""
+        return self.stored == budget
+
+    heads_pooled = False  # True for ``velox_cache.head_slots.HeadPooledSlots`` (per-head counts)
+
+    def heads_see(self, n_q_heads: int) -> Optional[mx.array]:
+        """Where heads share one buffer axis, which held slots each query head sees ``[H*R, 1, stored]`` (None: all)."""
+        return None
+
+    def pool(self, mass: mx.array, kernel: int) -> mx.array:
+        """``mass`` ``[B, H, N]`` of the first N slots, max-pooled over ``kernel`` neighbouring slots of each head."""
+        return attention.max_pool(mass, kernel)
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, **options) -> AttentionResult:
+        """``attend_and_score`` over ``keys``/``values`` (what ``update_and_fetch`` returned), ``options`` as there."""
+        return attend_and_score(queries, keys, values, **options)
 
     @property
     def arrays(self) -> list:
@@ -114,6 +145,11 @@ class TokenSlots:
         new_positions = mx.broadcast_to(
             mx.arange(first_position, first_position + n_new, dtype=mx.int32), (batch, heads, n_new)
         )
+        self._write(keys, values, new_positions, spare)
+
+    def _write(self, keys: mx.array, values: mx.array, new_positions: mx.array, spare: int) -> None:
+        """Write ``keys``/``values`` ``[B, H, n, D]`` at ``new_positions`` ``[B, H, n]`` after the held slots."""
+        batch, heads, n_new, _ = keys.shape
         start, end = self.stored, self.stored + n_new
         if end <= self.keys.shape[2]:
             self.keys[:, :, start:end] = keys

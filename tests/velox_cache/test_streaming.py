@@ -1,6 +1,7 @@
 """Streaming compressed prefill (FINCH): bounded memory, probes without a trace, positions, equality."""
 
 import contextlib
+import math
 
 import mlx.core as mx
 import pytest
@@ -14,13 +15,14 @@ from .policies import SCORINGS, STREAMING_METHODS as STREAMING
 CHUNK = 32
 
 
-def _streaming_stack(model, method, budget, scoring):
-    config = KVCacheConfig(method=method, budget=budget, eviction="streaming", scoring=scoring)
+def _streaming_stack(model, method, budget, scoring, headroom=1.0):
+    config = KVCacheConfig(method=method, budget=budget, eviction="streaming", scoring=scoring, stream_headroom=headroom)
     return KVCacheBuilder.for_model(model, config)
 
 
-def _streaming_cache(method, budget, scoring="key_proxy"):
-    return KVCacheFactory.create(KVCacheConfig(method=method, budget=budget, eviction="streaming", scoring=scoring))
+def _streaming_cache(method, budget, scoring="key_proxy", headroom=1.0):
+    config = KVCacheConfig(method=method, budget=budget, eviction="streaming", scoring=scoring, stream_headroom=headroom)
+    return KVCacheFactory.create(config)
 
 
 def _context(model, scoring):
@@ -87,6 +89,40 @@ def test_memory_stays_within_budget_chunk_and_probe_after_every_call(tiny_model,
     assert all(c.tokens_kept <= c.layer_budget for c in caches)
     assert all(c.tokens_seen == c.offset * c.keys.shape[0] * c.keys.shape[1] for c in caches)
     assert sum(c.layer_budget for c in caches) == 24 * len(caches)
+
+
+@pytest.mark.parametrize("method", ["pyramidkv", "squeeze"])
+def test_headroom_widens_what_probes_keep_and_the_instruction_brings_it_back_to_budget(tiny_model, parts, method):
+    model, _ = tiny_model
+    config = KVCacheConfig(method=method, budget=24, eviction="streaming", scoring="observed", stream_headroom=1.5)
+    caches = KVCacheBuilder.for_model(model, config)
+    probe = len(parts["instruction"])
+    after_probes = []
+
+    def check(event, stack):
+        for cache in stack:
+            assert cache.tokens_kept <= math.ceil(1.5 * cache.layer_budget) + CHUNK + probe, event
+        if event == "probe_dropped":
+            after_probes.append([cache.tokens_kept for cache in stack])
+
+    _generate(model, caches, parts, "observed", steps=4, after_call=check)
+    widened = [math.ceil(1.5 * c.layer_budget) for c in caches]
+    assert all(all(k <= w for k, w in zip(kept, widened)) for kept in after_probes)
+    assert after_probes[-1] == widened, "a probe keeps budget x headroom"
+    assert all(c.tokens_kept == c.layer_budget for c in caches), "decoding starts at the budget itself"
+
+
+def test_headroom_over_the_whole_document_is_selection_at_prefill_end(tiny_model, parts):
+    model, _ = tiny_model
+    n_prompt = sum(len(p) for p in parts.values())
+    at_end = KVCacheConfig(method="pyramidkv", budget=24, eviction="prefill_end", scoring="observed")
+    streaming = KVCacheConfig(
+        method="pyramidkv", budget=24, eviction="streaming", scoring="observed", stream_headroom=n_prompt / 8
+    )
+    expected = _generate(model, KVCacheBuilder.for_model(model, at_end), parts, "observed")
+    got = _generate(model, KVCacheBuilder.for_model(model, streaming), parts, "observed")
+    for want, have in zip(expected, got):
+        assert mx.allclose(want, have, atol=1e-5, rtol=1e-5)
 
 
 def _snapshot(cache):
