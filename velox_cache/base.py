@@ -189,11 +189,16 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
         layer is at budget (decode uses no mask, so slot order is free).
         """
         self._check_last_observation()
-        slots, progress, n_new = self.slots, self.progress, keys.shape[2]
-        if slots.empty:
+        progress, n_new = self.progress, keys.shape[2]
+        if self.slots.empty:
             self._start(keys, values)
         if n_new > 1:
             self._check_shared_mask(n_new)
+        if n_new == 1 and progress.prefilling and self.slots.offset > 0 and progress.told is None:
+            self._end_prefill()  # never told: the prompt's last token, as mlx_lm.generate feeds it
+        document_chunk = self.progress.in_document_chunk
+        self._select_if_due()
+        slots = self.slots  # bound only now: a selection above may have pooled the heads into new slots
         if slots.heads_pooled and not is_routed():
             raise RuntimeError(
                 f"layer {self.layer_id}: per-head budgets (head_budgets='adaptive') need the model's attention "
@@ -201,10 +206,6 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
             )
         if keys.dtype != slots.keys.dtype or values.dtype != slots.values.dtype:
             keys, values = keys.astype(slots.keys.dtype), values.astype(slots.values.dtype)
-        if n_new == 1 and progress.prefilling and slots.offset > 0 and progress.told is None:
-            self._end_prefill()  # never told: the prompt's last token, as mlx_lm.generate feeds it
-        document_chunk = self.progress.in_document_chunk
-        self._select_if_due()
         budget = self.allocation.budget()
         if n_new == 1 and self._evicting_now():
             self._evict_to(budget)

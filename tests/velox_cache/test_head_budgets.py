@@ -157,6 +157,22 @@ def test_adaptive_heads_hold_what_uniform_heads_hold_and_keep_their_counts_while
     assert all(c.offset == len(tokens) + 5 for c in adaptive)
 
 
+def test_pooled_heads_from_a_prefill_end_inferred_from_the_last_token(tiny_model):
+    """``mlx_lm.generate`` tells no phases: prefill ends at the prompt's last token, which pools the heads."""
+    from pipeline.generation import prefill
+
+    model, _ = tiny_model
+    tokens = _tokens(80, 7)
+    logits, stacks = {}, {}
+    for heads in ("adaptive", "uniform"):
+        config = KVCacheConfig(method="snapkv", budget=BUDGET, scoring="observed", head_budgets=heads, head_floor=1.0)
+        stacks[heads] = KVCacheBuilder.for_model(model, config)
+        with velox_cache.observe(model):
+            logits[heads] = prefill(model, tokens, stacks[heads], 16)
+    assert all(c.slots.heads_pooled and c.tokens_kept == BUDGET for c in stacks["adaptive"])
+    assert mx.allclose(logits["adaptive"], logits["uniform"], atol=1e-4, rtol=1e-4).item()
+
+
 def test_a_pooled_snapshot_is_independent_and_decodes_what_the_original_decodes(tiny_model):
     model, _ = tiny_model
     _, _, caches = _run(model, _tokens(70, 3), steps=0, head_budgets="adaptive", head_floor=0.0)
