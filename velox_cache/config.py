@@ -139,9 +139,9 @@ class KVCacheConfig:
             window) evicts to while the document is read, as a multiple of the
             layer's budget (at least 1); the instruction's selection when
             prefill ends evicts to the budget itself. Held keys stay within
-            ``budget * stream_headroom`` + chunk + probe during prefill. 2 by
-            default: streaming then tracks the full cache closer (1 = evict to
-            the budget at every probe, the least memory).
+            ``budget * stream_headroom`` + chunk + probe during prefill. 1 by
+            default (every probe evicts to the budget: the least memory); 2
+            tracks the full cache closer on summaries (the main job's setting).
     """
 
     method: str = "pyramidkv"
@@ -160,7 +160,7 @@ class KVCacheConfig:
     mass_weight: Optional[float] = None
     head_budgets: Optional[str] = None
     head_floor: float = 0.2
-    stream_headroom: float = 2.0
+    stream_headroom: float = 1.0
 
     def __post_init__(self):
         _check_choice("method", self.method, known_methods())

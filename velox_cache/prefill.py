@@ -5,7 +5,7 @@ A prompt is a ``prefix`` (system message, chat header), a ``document`` and an
 template's tail). The document is read in chunks of ``chunk_size``. Under the
 streaming timing (FINCH) the instruction also runs as a *probe* on top of
 every chunk but the last: its queries rank the held and new tokens, each
-layer evicts to its budget (times ``stream_headroom``, 2 by default) and the
+layer evicts to its budget (times ``stream_headroom``, 1 by default) and the
 probe is dropped without a trace. The last chunk needs no probe: the
 instruction itself follows, and its queries rank what is held when decoding
 starts, evicting to the budget itself. Per layer, held keys never exceed
