@@ -15,6 +15,11 @@ window rank first), ``evict_to`` (one top-k per head), ``replace_lowest`` (one
 decode token into each head's lowest-ranked slot) and ``compact`` (re-rotate
 to contiguous positions).
 
+Layout hooks (``attend``, ``pool``, ``heads_see``, ``at_budget``,
+``kept_per_head``) answer for uniform heads here: every head holds ``stored``
+slots on its own head axis. ``velox_cache.head_slots.HeadPooledSlots``
+answers them for per-head budgets (one flattened head x token buffer).
+
 Per-sequence counts: ``stored`` (valid slots), ``offset`` (the position the
 next token gets) and ``tokens_seen`` (tokens passed in, probes excepted). They
 are plain ints for the one sequence a stack holds; they are kept together
