@@ -68,7 +68,6 @@ class HeadPooledSlots(TokenSlots):
         self._heads_changed = 0  # counts changes of ``heads`` (the attention mask is reused until then)
         self._mask_cache = None
         self._by_head_cache = None
-        self._runs_cache = None
 
     @classmethod
     def pooled(cls, slots: TokenSlots, floor: float) -> "HeadPooledSlots":
@@ -155,55 +154,28 @@ class HeadPooledSlots(TokenSlots):
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, *, mask=None, **options) -> AttentionResult:
         """Attention of the latest call's queries, each query head over its own KV head's slots.
 
-        The model's ``mask`` is replaced by the layout's own. Each KV head's
-        query heads attend over that head's slots: a chunk over its held slots
-        and then its new tokens, last and in order (a plain causal mask); a
-        decode token over the head's contiguous run of slots (a slice, no
-        copy; decoding at budget keeps each head's slots together), or, when
-        the heads' slots are interleaved (decoding below budget appends), over
-        the whole buffer with a per-head mask. Scores go back to their slots.
+        The model's ``mask`` is replaced by the layout's own. A decode token
+        attends over the whole buffer, masked (one call). A chunk attends
+        head by head over that head's slots, which hold its new tokens last
+        and in order (a plain causal mask, no wasted work), and the scores go
+        back to their slots.
         """
         n_q_heads, n_queries = queries.shape[1], queries.shape[2]
-        runs = self.head_runs() if n_queries == 1 else None
-        if options.get("sinks") is not None or (n_queries == 1 and runs is None):
+        if n_queries == 1 or options.get("sinks") is not None:
             return attend_and_score(queries, keys, values, mask=self.attention_mask(n_queries, n_q_heads), **options)
         group = n_q_heads // self.n_heads
         parts = []
-        for head in range(self.n_heads):
+        for head, slots in enumerate(self.slots_by_head()):
             queries_of_head = queries[:, head * group : (head + 1) * group]
-            if runs is not None:
-                start, stop = runs[head]
-                own_keys, own_values, own_mask = keys[:, :, start:stop], values[:, :, start:stop], None
-            else:
-                slots = self.slots_by_head()[head]
-                own_keys, own_values, own_mask = keys[:, :, slots], values[:, :, slots], "causal"
-            parts.append(attend_and_score(queries_of_head, own_keys, own_values, mask=own_mask, **options))
+            parts.append(attend_and_score(queries_of_head, keys[:, :, slots], values[:, :, slots], mask="causal", **options))
         output = mx.concatenate([part.output for part in parts], axis=1)
         key_mass = entropy = None
         if parts[0].key_mass is not None:
-            key_mass = mx.concatenate([part.key_mass for part in parts], axis=-1)
-            if runs is None:  # head by head to slot order
-                in_slot_order = mx.zeros((1, 1, keys.shape[2]), mx.float32)
-                in_slot_order[..., mx.concatenate(self.slots_by_head())] = key_mass
-                key_mass = in_slot_order
+            key_mass = mx.zeros((1, 1, keys.shape[2]), mx.float32)
+            key_mass[..., mx.concatenate(self.slots_by_head())] = mx.concatenate([p.key_mass for p in parts], axis=-1)
         if parts[0].entropy is not None:
             entropy = sum(part.entropy for part in parts[1:]) + parts[0].entropy
         return AttentionResult(output, key_mass, entropy, sum(part.entropy_rows for part in parts))
-
-    def head_runs(self) -> Optional[list]:
-        """``(start, stop)`` of each KV head's slots when every head's are one run, in head order (else None)."""
-        key = (self._heads_changed, self.stored)
-        if self._runs_cache is not None and self._runs_cache[0] == key:
-            return self._runs_cache[1]
-        heads = self.held_heads()
-        runs = None
-        if self.stored < 2 or mx.all(heads[1:] >= heads[:-1]).item():
-            bounds = [0]
-            for count in self.head_counts():
-                bounds.append(bounds[-1] + count)
-            runs = list(zip(bounds, bounds[1:]))
-        self._runs_cache = (key, runs)
-        return runs
 
     def slots_by_head(self) -> list:
         """Each KV head's held slots, in slot order (``[H]`` index arrays)."""

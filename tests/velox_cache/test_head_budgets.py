@@ -121,27 +121,6 @@ def test_attention_over_pooled_slots_equals_each_head_over_its_own_keys(monkeypa
         )
 
 
-@pytest.mark.parametrize("attention", ["fast", "exact"])
-def test_a_decode_token_at_budget_attends_head_by_head_over_runs_as_the_masked_call_does(monkeypatch, attention):
-    monkeypatch.setenv("VELOX_ATTENTION", attention)
-    uniform = _uniform_slots([[float(i % 7) for i in range(20)], [float(i % 5) * 3 for i in range(20)]])
-    uniform.offset = 20
-    pooled = HeadPooledSlots.pooled(uniform, floor=0.1)
-    pooled.evict_to(8)
-    new = mx.random.normal((1, 2, 1, 8), key=mx.random.key(3))
-    pooled.replace_lowest(new, new * 2, 8)  # at budget: each head's token takes one of its own slots
-    pooled.offset += 1
-    assert pooled.head_runs() == [(0, pooled.head_counts()[0]), (pooled.head_counts()[0], 16)]
-    queries = mx.random.normal((1, 6, 1, 8), key=mx.random.key(4))
-    keys, values = pooled.held()
-    by_runs = pooled.attend(queries, keys, values, scale=0.35, mask=None, score_rows=1)
-    masked = attend_and_score(queries, keys, values, scale=0.35, mask=pooled.attention_mask(1, 6), score_rows=1)
-    assert mx.allclose(by_runs.output, masked.output, atol=2e-4, rtol=2e-4).item()
-    assert mx.allclose(by_runs.key_mass, masked.key_mass, atol=2e-4, rtol=2e-4).item()
-    pooled.append(new, new, pooled.offset, 0)  # below budget a decode token is appended: heads interleave
-    assert pooled.head_runs() is None
-
-
 # ----- a whole model ------------------------------------------------------------------------
 
 
