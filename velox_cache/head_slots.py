@@ -33,6 +33,11 @@ from .attend import AttentionResult, attend_and_score
 from .slots import TokenSlots
 
 
+def head_membership(heads: mx.array, n_heads: int) -> mx.array:
+    """``[H, T]`` bool: row h marks the slots of head h (``heads`` ``[T]``)."""
+    return heads[None, :] == mx.arange(n_heads, dtype=heads.dtype)[:, None]
+
+
 def adaptive_keep(ranking: mx.array, heads: mx.array, n_heads: int, budget: int, floor: int) -> mx.array:
     """Slots to keep: ``n_heads * budget`` of them, at least ``floor`` per head, the rest by ranking.
 
@@ -43,8 +48,7 @@ def adaptive_keep(ranking: mx.array, heads: mx.array, n_heads: int, budget: int,
     ``[n_heads * budget]`` grouped by head, in slot order within a head.
     """
     total = n_heads * budget
-    owned = heads[None, :] == mx.arange(n_heads, dtype=heads.dtype)[:, None]  # [H, T]
-    per_head = mx.where(owned, ranking[None, :], -mx.inf)
+    per_head = mx.where(head_membership(heads, n_heads), ranking[None, :], -mx.inf)
     rank_in_row = mx.argsort(mx.argsort(-per_head, axis=-1), axis=-1)  # [H, T]: 0 = the head's best
     own_rank = mx.take_along_axis(rank_in_row, heads[None, :].astype(mx.int32), axis=0)[0]
     adjusted = mx.where(own_rank < min(max(floor, 1), budget), mx.inf, ranking)  # no head is left empty
@@ -68,6 +72,7 @@ class HeadPooledSlots(TokenSlots):
         self._heads_changed = 0  # counts changes of ``heads`` (the attention mask is reused until then)
         self._mask_cache = None
         self._by_head_cache = None
+        self._membership_cache = None
 
     @classmethod
     def pooled(cls, slots: TokenSlots, floor: float) -> "HeadPooledSlots":
@@ -107,8 +112,14 @@ class HeadPooledSlots(TokenSlots):
 
     def head_counts(self) -> list:
         """Tokens each KV head holds now (``[H]`` ints)."""
-        owned = self.held_heads()[None, :] == mx.arange(self.n_heads, dtype=mx.int32)[:, None]
-        return owned.sum(axis=-1).tolist()
+        return self.membership(self.stored).sum(axis=-1).tolist()
+
+    def membership(self, n_slots: int) -> mx.array:
+        """``[H, n_slots]`` bool: which of the first ``n_slots`` slots each head holds (reused while heads stay)."""
+        key = (self._heads_changed, n_slots)
+        if self._membership_cache is None or self._membership_cache[0] != key:
+            self._membership_cache = (key, head_membership(self.heads[:n_slots], self.n_heads))
+        return self._membership_cache[1]
 
     @property
     def arrays(self) -> list:
@@ -124,8 +135,7 @@ class HeadPooledSlots(TokenSlots):
     def pool(self, mass: mx.array, kernel: int) -> mx.array:
         """``mass`` ``[1, 1, N]`` of the first N slots, max-pooled over neighbouring slots of the same head."""
         n_slots = mass.shape[-1]
-        heads = self.heads[:n_slots]
-        owned = heads[None, :] == mx.arange(self.n_heads, dtype=mx.int32)[:, None]  # [H, N]
+        heads, owned = self.heads[:n_slots], self.membership(n_slots)
         # each head's slots side by side, in slot order: [H, N], -inf after a head's last one
         rank = mx.take_along_axis(mx.cumsum(owned.astype(mx.int32), axis=-1), heads[None, :], axis=0)[0] - 1
         side_by_side = mx.full((self.n_heads, n_slots), -mx.inf, mass.dtype)
@@ -174,7 +184,7 @@ class HeadPooledSlots(TokenSlots):
             key_mass = mx.zeros((1, 1, keys.shape[2]), mx.float32)
             key_mass[..., mx.concatenate(self.slots_by_head())] = mx.concatenate([p.key_mass for p in parts], axis=-1)
         if parts[0].entropy is not None:
-            entropy = sum(part.entropy for part in parts[1:]) + parts[0].entropy
+            entropy = sum((part.entropy for part in parts[1:]), parts[0].entropy)
         return AttentionResult(output, key_mass, entropy, sum(part.entropy_rows for part in parts))
 
     def slots_by_head(self) -> list:
@@ -249,8 +259,7 @@ class HeadPooledSlots(TokenSlots):
 
     def replace_lowest(self, keys: mx.array, values: mx.array, budget: int) -> None:
         """Write one decode token ``[1, H, 1, D]`` into each head's own lowest-ranked slot."""
-        owned = self.held_heads()[None, :] == mx.arange(self.n_heads, dtype=mx.int32)[:, None]  # [H, T]
-        ranking = mx.where(owned, self.protected_ranking(budget)[0, 0][None, :], mx.inf)
+        ranking = mx.where(self.membership(self.stored), self.protected_ranking(budget)[0, 0][None, :], mx.inf)
         victims = mx.argmin(ranking, axis=-1)[None, None]  # [1, 1, H]
         self.replace(victims, keys.reshape(1, 1, self.n_heads, -1), values.reshape(1, 1, self.n_heads, -1), self.offset)
 
