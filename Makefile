@@ -23,17 +23,17 @@ openblas:
 		|| echo "warning: OpenBLAS could not be installed; MLX-CPU falls back to its slow reference BLAS"; \
 	fi
 
-# Velox's native CPU ops (velox_cache/native), built with g++ against the installed mlx wheel;
+# Velox's native CPU ops (velox_cache/kernels/native), built with g++ against the installed mlx wheel;
 # where they cannot be built, Velox runs its pure-MLX ops (velox-batch doctor says which).
-NATIVE_SOURCES = $(wildcard velox_cache/native/*.cpp velox_cache/native/*.h) velox_cache/native/CMakeLists.txt
-native: velox_cache/native/.built
+NATIVE_SOURCES = $(wildcard velox_cache/kernels/native/*.cpp velox_cache/kernels/native/*.h) velox_cache/kernels/native/CMakeLists.txt
+native: velox_cache/kernels/native/.built
 
-velox_cache/native/.built: $(VENV)/.installed $(NATIVE_SOURCES)
+velox_cache/kernels/native/.built: $(VENV)/.installed $(NATIVE_SOURCES)
 	@if [ "$$(uname -s)" = Linux ] && ! command -v c++ >/dev/null && command -v apt-get >/dev/null; then \
 		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq g++) \
 		|| echo "warning: g++ could not be installed; Velox uses its pure-MLX ops"; \
 	fi
-	$(VENV)/bin/python -m velox_cache.native.build --optional
+	$(VENV)/bin/python -m velox_cache.kernels.native.build --optional
 	touch $@
 
 model: setup

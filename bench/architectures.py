@@ -52,8 +52,8 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 import velox_cache  # noqa: E402
 from velox_cache import KVCacheBuilder, KVCacheConfig  # noqa: E402
-from velox_cache.accounting import CacheAccounting  # noqa: E402
-from velox_cache.model_caches import UnsupportedModelError, cache_kind  # noqa: E402
+from velox_cache.cache.accounting import CacheAccounting  # noqa: E402
+from velox_cache.cache.model_caches import UnsupportedModelError, cache_kind  # noqa: E402
 
 POLICIES = ("pyramidkv", "squeeze")
 # "fast": the key proxy inside velox_cache.fast_attention (Velox's attention for every layer, as velox-batch runs)

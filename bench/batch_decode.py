@@ -3,7 +3,7 @@
 ``throughput``: one prompt of real prose is prefilled once per row kind (full
 cache at 1k and 4k tokens; pyramidkv at budgets 128 and 512 on a 2k prompt,
 observed scoring), then B copies of that stack decode ``--steps`` greedy
-tokens together (``velox_cache.decode.decode_rows``; B = 1 is the
+tokens together (``velox_cache.generation.decode.decode_rows``; B = 1 is the
 one-at-a-time loop). Prints tokens/s and the speed-up over B = 1 of the same
 kind. Rows read one copy of the prefilled stack, so every B decodes the same
 work per row. Not a test: nothing here asserts on time.
@@ -33,8 +33,8 @@ import mlx.core as mx  # noqa: E402
 import velox_cache  # noqa: E402
 from bench.common import load_default_model, prose  # noqa: E402
 from velox_cache import KVCacheBuilder, KVCacheConfig, prefill_phases, snapshot  # noqa: E402
-from velox_cache.decode import DecodeRow, decode_rows  # noqa: E402
-from velox_cache.sampling import TokenSampler  # noqa: E402
+from velox_cache.generation.decode import DecodeRow, decode_rows  # noqa: E402
+from velox_cache.generation.sampling import TokenSampler  # noqa: E402
 
 KINDS = {  # name: (prompt tokens, config)
     "full-1k": (1024, KVCacheConfig(method="full")),

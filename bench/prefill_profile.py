@@ -45,9 +45,9 @@ import mlx.core as mx  # noqa: E402
 import velox_cache  # noqa: E402
 from bench.common import load_default_model, prose  # noqa: E402
 from velox_cache import KVCacheBuilder, KVCacheConfig  # noqa: E402
-from velox_cache import native  # noqa: E402
-from velox_cache.elementwise import ACTIVATIONS  # noqa: E402
-from velox_cache.phases import Phase, tell  # noqa: E402
+from velox_cache.cache.phases import Phase, tell  # noqa: E402
+from velox_cache.kernels import native  # noqa: E402
+from velox_cache.kernels.elementwise import ACTIVATIONS  # noqa: E402
 
 CATEGORIES = [  # (name, pattern over perf's symbol column), first match wins
     ("GEMM (OpenBLAS)", r"gemm|gemv|blas_thread_server|inner_thread"),
@@ -186,7 +186,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="forward passes timed per row (best taken)")
     parser.add_argument("--perf", action="store_true", help="also split each forward pass by perf samples")
     parser.add_argument("--compare", choices=["activations", "native"],
-                        help="also time each row with mlx-lm's own activations (velox_cache.elementwise off), "
+                        help="also time each row with mlx-lm's own activations (velox_cache.kernels.elementwise off), "
                              "or with Velox's pure-MLX ops in place of its native ones (VELOX_NATIVE=0)")
     parser.add_argument("--stamps", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

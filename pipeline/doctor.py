@@ -36,8 +36,8 @@ def _gemm_in_subprocess(preload: str | None) -> str:
 
 
 def _native_ops(report: Report) -> None:
-    """Whether Velox's native CPU ops are in use (velox_cache.native), and how to build them if not."""
-    from velox_cache import native
+    """Whether Velox's native CPU ops are in use (velox_cache.kernels.native), and how to build them if not."""
+    from velox_cache.kernels import native
 
     status = native.status()
     ops = native.ops()
@@ -45,7 +45,7 @@ def _native_ops(report: Report) -> None:
     if status.startswith(("not built", "built but unusable", "built for mlx")):
         report.advice.append(
             "Velox's native CPU ops are not in use: prefill runs ~1.5x slower. Fix: apt-get install g++ cmake, "
-            "then python -m velox_cache.native.build (make setup does both)."
+            "then python -m velox_cache.kernels.native.build (make setup does both)."
         )
 
 

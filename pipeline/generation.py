@@ -7,7 +7,7 @@ as a probe after every document chunk but the last.
 
 ``generate`` does one variant start to end. ``prefill_variant`` and
 ``generate_together`` split it, so that several prefilled variants decode in
-one batch (``velox_cache.decode``) with the same outputs as alone.
+one batch (``velox_cache.generation.decode``) with the same outputs as alone.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import mlx.core as mx
 
 import velox_cache
 from velox_cache import KVCacheBuilder, KVCacheConfig, prefill_phases, snapshot
-from velox_cache.accounting import layer_stats
-from velox_cache.batching import BatchUnsupported
-from velox_cache.decode import DecodeRow, decode_rows
-from velox_cache.forcing import feed_together
-from velox_cache.observe import can_route
+from velox_cache.cache.accounting import layer_stats
+from velox_cache.generation.batching import BatchUnsupported
+from velox_cache.generation.decode import DecodeRow, decode_rows
+from velox_cache.generation.forcing import feed_together
+from velox_cache.kernels.observe import can_route
 
 from .prompting import Prompt
 from .reference import Reference
@@ -181,7 +181,7 @@ def prefill_variant(
 
 
 def generate_together(model, tokenizer, runs: list[PrefilledVariant], *, batch: bool = True) -> list[GenerationResult]:
-    """Decode prefilled variants (together when ``batch``, see ``velox_cache.decode``), then finish each.
+    """Decode prefilled variants (together when ``batch``, see ``velox_cache.generation.decode``), then finish each.
 
     Each result is what decoding it alone gives (tokens, accounting); its
     ``decode_seconds`` is its share of the batch's steps, ``peak_memory_bytes``
@@ -258,7 +258,7 @@ def teacher_force_together(model, items: list[tuple]) -> list[Fidelity]:
     """``teacher_force`` for many stacks at once: ``items`` are ``(caches, first_logprobs, reference, choice)``.
 
     Every stack takes its reference in one batched model call
-    (``velox_cache.forcing.feed_together``), one stack or many, so a document's
+    (``velox_cache.generation.forcing.feed_together``), one stack or many, so a document's
     figures do not depend on how many were forced beside it; stacks that cannot
     be fed together are forced one at a time. The call's seconds are shared
     equally by its stacks.

@@ -118,14 +118,14 @@ def weights_mode(requested: str | None = None) -> str:
 
 def context_length(model) -> int | None:
     """The number of positions the model was trained for, from its config; None if it does not say."""
-    from velox_cache.prefill import model_context
+    from velox_cache.generation.prefill import model_context
 
     return model_context(model)
 
 
 def config_context_length(config: dict) -> int | None:
     """``context_length`` read from a model's ``config.json`` mapping instead of a loaded model."""
-    from velox_cache.prefill import CONTEXT_FIELDS
+    from velox_cache.generation.prefill import CONTEXT_FIELDS
 
     for name in CONTEXT_FIELDS:
         value = config.get(name)

@@ -28,7 +28,7 @@ def smollm2():
 @pytest.fixture(params=["native", "pure-mlx"])
 def op_path(request, monkeypatch):
     """Run a test on Velox's native ops (where built) and again on its pure-MLX ops (``VELOX_NATIVE=0``)."""
-    from velox_cache import native
+    from velox_cache.kernels import native
 
     if request.param == "native" and native.ops() is None:
         pytest.skip(f"native ops: {native.status()}")

@@ -17,20 +17,27 @@ Faster attention on MLX's CPU backend, with any caches::
 
     with velox_cache.fast_attention(model):
         mlx_lm.generate(model, tokenizer, prompt)
+
+The package is in layers, one folder each, imports running downward only:
+``generation/`` -> ``builder.py`` -> ``policies/`` -> ``cache/`` -> ``kernels/`` and
+``budgets/``, with ``config.py`` below them all.
 """
 
-from .attend import AttentionResult, attend, attend_and_score
-from .budgets import pyramid_budgets, squeeze_budgets
+from .budgets.coordinator import SqueezeCoordinator
+from .budgets.schedules import pyramid_budgets, squeeze_budgets
 from .builder import KVCacheBuilder, KVCacheFactory
+from .cache import phases
+from .cache.model_caches import UnsupportedModelError
+from .cache.phases import Phase
 from .config import ConfigError, KVCacheConfig
-from .batching import BatchUnsupported
-from .decode import BatchResponse, batch_generate
-from .coordinator import SqueezeCoordinator
-from . import phases
-from .masks import MaskMismatchError
-from .model_caches import UnsupportedModelError
-from .observe import ObservationError, fast_attention, observe
-from .phases import Phase
+from .generation.batching import BatchUnsupported
+from .generation.decode import BatchResponse, batch_generate
+from .generation.prefill import ContextError, model_context, prefill_phases
+from .generation.snapshot import snapshot
+from .kernels.attend import AttentionResult, attend, attend_and_score
+from .kernels.masks import MaskMismatchError
+from .kernels.observe import ObservationError, fast_attention, observe
+from .kernels.rope import RopeError, RotaryShift
 from .policies import (
     FullKVCache,
     H2OCache,
@@ -40,9 +47,6 @@ from .policies import (
     StreamingLLMCache,
     TOVACache,
 )
-from .prefill import ContextError, model_context, prefill_phases
-from .rope import RopeError, RotaryShift
-from .snapshot import snapshot
 
 __all__ = [
     "AttentionResult",

@@ -1,12 +1,13 @@
-"""Building caches: one (``KVCacheFactory.create``) or a model's stack (``KVCacheBuilder.for_model``)."""
+"""Building caches: one (``KVCacheFactory.create``) or a model's stack (``KVCacheBuilder.for_model``).
+
+Layer: above ``policies/`` (and what they stand on); ``generation/`` builds on it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
-from .config import ConfigError, KVCacheConfig
-from .masks import SharedMaskRecord
-from .model_caches import (
+from .cache.model_caches import (
     UnsupportedModelError,
     architecture_name,
     attention_scale,
@@ -14,6 +15,8 @@ from .model_caches import (
     model_caches,
     refusal_reason,
 )
+from .config import ConfigError, KVCacheConfig
+from .kernels.masks import SharedMaskRecord
 from .policies import POLICIES
 
 

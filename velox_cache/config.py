@@ -1,4 +1,4 @@
-"""``KVCacheConfig``: one validated dataclass for every cache policy."""
+"""``KVCacheConfig``: one validated dataclass for every cache policy (the bottom layer: imports nothing of velox_cache)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
+# The policy names a config may ask for. The registry ``velox_cache.policies.POLICIES`` holds one
+# class for each and refuses to load otherwise; config sits below the policies and never imports them.
+METHODS = ("full", "h2o", "tova", "snapkv", "streaming", "pyramidkv", "squeeze")
 SCORINGS = ("observed", "key_proxy")
 EVICTIONS = ("continuous", "prefill_end", "streaming")
 SELECTIONS = ("cumulative", "window")
@@ -33,13 +36,6 @@ ALIASES = {
     "streaming_budget": "budget",
     "streaming_n_sink": "n_sink",
 }
-
-
-def known_methods() -> tuple:
-    """The policy names, from the registry ``velox_cache.policies.POLICIES``."""
-    from .policies import POLICIES
-
-    return tuple(POLICIES)
 
 
 class ConfigError(ValueError):
@@ -131,7 +127,7 @@ class KVCacheConfig:
             budget) or ``adaptive`` (AdaKV: where a window or a probe ranks
             tokens, one selection over all heads of the layer keeps the same
             total, every head at least ``head_floor`` of the budget; the held
-            bytes follow the per-head counts, ``velox_cache.head_slots``).
+            bytes follow the per-head counts, ``velox_cache.cache.head_slots``).
             Needs observed scoring. ``None`` takes the policy's default.
         head_floor: under ``adaptive``, the share of the layer's per-head
             budget every head keeps at least, in [0, 1] (AdaKV's alpha).
@@ -163,7 +159,7 @@ class KVCacheConfig:
     stream_headroom: float = 1.0
 
     def __post_init__(self):
-        _check_choice("method", self.method, known_methods())
+        _check_choice("method", self.method, METHODS)
         _check_int("n_sink", self.n_sink, 0)
         if parse_budget_fraction(self.budget) is None:
             _check_int("budget", self.budget, self.n_sink + 1)

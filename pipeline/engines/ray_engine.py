@@ -30,8 +30,8 @@ from typing import Callable, Iterable, Iterator, Optional
 import ray
 import ray.data
 
-from velox_cache.attend import ENVIRONMENT_VARIABLE as ATTENTION_VARIABLE
-from velox_cache.attend import STREAMS_VARIABLE as ATTENTION_STREAMS_VARIABLE
+from velox_cache.kernels.attend import ENVIRONMENT_VARIABLE as ATTENTION_VARIABLE
+from velox_cache.kernels.attend import STREAMS_VARIABLE as ATTENTION_STREAMS_VARIABLE
 
 from .. import model_store
 from ..execute import Executor, VariantOutcome, failed_outcomes

@@ -12,15 +12,26 @@ import warnings
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 import velox_cache
-from bench.architectures import cache_scoring, max_difference, run_sequence, velox_layers
+from bench.architectures import (
+    cache_scoring,
+    max_difference,
+    run_sequence,
+    velox_layers,
+)
 from tests.velox_cache.architectures import VOCAB, build
 from velox_cache import KVCacheBuilder, KVCacheConfig
-from velox_cache.accounting import CacheAccounting, layer_stats
-from velox_cache.masks import MaskMismatchError
-from velox_cache.model_caches import UnsupportedModelError
+from velox_cache.cache.accounting import CacheAccounting, layer_stats
+from velox_cache.cache.model_caches import UnsupportedModelError
+from velox_cache.kernels.masks import MaskMismatchError
 
 TOKENS = 30  # 24 prompt tokens (chunks of 7) + 6 teacher-forced decode steps
 COMPRESSIBLE = ["gemma3_text", "gpt_oss", "falcon_h1", "afm7", "gemma2", "deepseek_v3"]
@@ -216,8 +227,8 @@ def test_routed_attention_rebuilds_a_mask_built_for_another_layer(scoring):
 
 
 def test_attention_with_sinks_matches_the_fused_kernel_and_scores_with_them():
-    from velox_cache import attention
-    from velox_cache.attend import kernel_supports
+    from velox_cache.kernels import attention
+    from velox_cache.kernels.attend import kernel_supports
 
     mx.random.seed(2)
     queries, keys, values = (mx.random.normal((1, 4, 6, 16)), mx.random.normal((1, 2, 6, 16)),
@@ -235,7 +246,7 @@ def test_attention_with_sinks_matches_the_fused_kernel_and_scores_with_them():
 
 
 def test_window_selection_uses_the_observed_scale():
-    from velox_cache import attention
+    from velox_cache.kernels import attention
 
     mx.random.seed(4)
     config = KVCacheConfig(method="snapkv", budget=32, n_sink=1, window=4, kernel=1, scoring="observed")
@@ -300,7 +311,7 @@ def test_the_job_runner_runs_a_model_whose_attention_cannot_be_routed(models):
 
 def test_window_kept_as_computed_matches_window_recomputed_across_chunks():
     """An additive mask makes the cache keep the window's attention; it must rank as recomputing does."""
-    from velox_cache import attention
+    from velox_cache.kernels import attention
 
     mx.random.seed(5)
     config = KVCacheConfig(method="snapkv", budget=64, window=4, kernel=3, scoring="observed")
@@ -320,7 +331,7 @@ def test_window_kept_as_computed_matches_window_recomputed_across_chunks():
 
 
 def test_window_attention_kept_as_computed_follows_the_slots_through_eviction():
-    from velox_cache.selection import WindowSelector
+    from velox_cache.cache.selection import WindowSelector
 
     selector = WindowSelector(window=2, kernel=1)
     selector.remember_mass(mx.array([[[[0.1, 0.2, 0.3, 0.4], [0.0, 0.5, 0.0, 0.5]]]]))  # [B, H, rows, N]

@@ -12,7 +12,14 @@ import velox_cache
 from velox_cache import KVCacheBuilder, KVCacheConfig, KVCacheFactory, Phase
 from velox_cache.policies import POLICIES
 
-from .policies import EVICTING, EVICTING_METHODS, POLICY_CONFIGS, SCORINGS, STREAMING_METHODS
+from tests.velox_cache.policies import (
+    EVICTING,
+    EVICTING_METHODS,
+    POLICY_CONFIGS,
+    SCORINGS,
+    STREAMING_METHODS,
+)
+
 B, H, GROUP, D = 1, 2, 2, 16
 
 
@@ -69,7 +76,7 @@ def test_offset_budget_and_returned_keys(method, scoring):
 
 def _kept_arrays(part, name="cache"):
     """Every array a cache or one of its per-sequence parts keeps, with where it is kept."""
-    from velox_cache.snapshot import PER_SEQUENCE
+    from velox_cache.generation.snapshot import PER_SEQUENCE
 
     for field, value in vars(part).items():
         if field == "_pending_keys":

@@ -7,8 +7,9 @@ from mlx_lm.generate import generate_step
 
 import velox_cache
 from bench.needle import greedy, make_needle_case
-from velox_cache import KVCacheBuilder, KVCacheConfig, kernel
-from velox_cache.kernel import blocked_attention
+from velox_cache import KVCacheBuilder, KVCacheConfig
+from velox_cache.kernels import kernel
+from velox_cache.kernels.kernel import blocked_attention
 
 pytestmark = pytest.mark.integration
 

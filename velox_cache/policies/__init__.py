@@ -2,29 +2,27 @@
 
 A policy module declares its three choices as class attributes: ``allocator``
 (how many tokens each layer keeps), ``default_eviction`` (when: the timing)
-and ``signal`` (what ranks tokens). Adding a policy is one module here, one
-entry below, and one row in the tests' policy table (``tests/velox_cache/policies.py``).
+and ``signal`` (what ranks tokens), and its name as ``method``. Adding a policy
+is one module here, its name in ``velox_cache.config.METHODS``, one ``register``
+line below, and one row in the tests' policy table (``tests/velox_cache/policies.py``).
+
+Layer: above ``cache/``, ``budgets/`` and ``kernels/``, below ``builder.py``;
+imports only from those three and ``config.py``.
 """
 
+from ..config import METHODS
 from .full import FullKVCache
 from .h2o import H2OCache
 from .pyramidkv import PyramidKVCache
+from .registry import PolicyRegistry
 from .snapkv import SnapKVCache
 from .squeeze import SqueezeAttentionCache
 from .streaming import StreamingLLMCache
 from .tova import TOVACache
 
-POLICIES = {
-    policy.method: policy
-    for policy in (
-        FullKVCache,
-        H2OCache,
-        TOVACache,
-        SnapKVCache,
-        StreamingLLMCache,
-        PyramidKVCache,
-        SqueezeAttentionCache,
-    )
-}
+POLICIES = PolicyRegistry(METHODS)
+for _policy in (FullKVCache, H2OCache, TOVACache, SnapKVCache, StreamingLLMCache, PyramidKVCache, SqueezeAttentionCache):
+    POLICIES.register(_policy)
+POLICIES.check_complete()
 
 __all__ = [cls.__name__ for cls in POLICIES.values()] + ["POLICIES"]

@@ -6,8 +6,8 @@ from typing import Optional
 
 from mlx_lm.models.cache import KVCache
 
-from ..accounting import CacheAccounting
-from ..allocators import UniformBudget
+from ..budgets.allocators import UniformBudget
+from ..cache.accounting import CacheAccounting
 from ..config import KVCacheConfig
 
 

@@ -1,8 +1,8 @@
 """H2O: cumulative attention mass (heavy hitters) plus a protected recent window."""
 
-from ..allocators import UniformBudget
-from ..base import EvictingKVCache
-from ..signals import CumulativeMass
+from ..budgets.allocators import UniformBudget
+from ..cache.base import EvictingKVCache
+from ..cache.signals import CumulativeMass
 
 
 class H2OCache(EvictingKVCache):

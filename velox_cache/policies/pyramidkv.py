@@ -1,8 +1,8 @@
 """PyramidKV: per-layer budgets that taper with depth, fixed at build time."""
 
-from ..allocators import PyramidBudget
-from ..base import EvictingKVCache
-from ..signals import CumulativeMass
+from ..budgets.allocators import PyramidBudget
+from ..cache.base import EvictingKVCache
+from ..cache.signals import CumulativeMass
 
 
 class PyramidKVCache(EvictingKVCache):

@@ -1,8 +1,8 @@
 """SnapKV: one-shot compression at the end of prefill from the prompt's last queries."""
 
-from ..allocators import UniformBudget
-from ..base import EvictingKVCache
-from ..signals import CumulativeMass
+from ..budgets.allocators import UniformBudget
+from ..cache.base import EvictingKVCache
+from ..cache.signals import CumulativeMass
 
 
 class SnapKVCache(EvictingKVCache):

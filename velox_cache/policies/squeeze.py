@@ -6,12 +6,12 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..allocators import UniformBudget
-from ..attend import AttentionResult
-from ..base import EvictingKVCache
+from ..budgets.allocators import UniformBudget
+from ..budgets.coordinator import SqueezeCoordinator
+from ..cache.base import EvictingKVCache
+from ..cache.signals import CumulativeMass
 from ..config import KVCacheConfig
-from ..coordinator import SqueezeCoordinator
-from ..signals import CumulativeMass
+from ..kernels.attend import AttentionResult
 
 CONCENTRATION_ROWS = 8  # query rows per prefill call sampled for the concentration measure
 

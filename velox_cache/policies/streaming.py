@@ -1,8 +1,8 @@
 """StreamingLLM: attention sinks plus the most recent tokens."""
 
-from ..allocators import UniformBudget
-from ..base import EvictingKVCache
-from ..signals import Recency
+from ..budgets.allocators import UniformBudget
+from ..cache.base import EvictingKVCache
+from ..cache.signals import Recency
 
 
 class StreamingLLMCache(EvictingKVCache):

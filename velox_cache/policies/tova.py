@@ -1,8 +1,8 @@
 """TOVA: rank tokens by the current step's attention only (memoryless)."""
 
-from ..allocators import UniformBudget
-from ..base import EvictingKVCache
-from ..signals import CurrentAttention
+from ..budgets.allocators import UniformBudget
+from ..cache.base import EvictingKVCache
+from ..cache.signals import CurrentAttention
 
 
 class TOVACache(EvictingKVCache):

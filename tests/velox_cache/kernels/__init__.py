@@ -1,0 +1,1 @@
+"""Tests of velox_cache/kernels/."""

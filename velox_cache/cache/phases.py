@@ -1,0 +1,195 @@
+"""Prefill phases, told to the caches instead of guessed.
+
+A prompt for a long-document job has parts that a cache should treat
+differently: the document (read in chunks), the *probe* (the instruction that
+follows the document, run on top of a chunk to rank tokens and then dropped,
+in streaming prefill), the instruction itself, and decoding. Tell a cache
+stack which one the next model calls belong to::
+
+    from velox_cache import phases
+
+    phases.tell(caches, "document")
+    model(chunk, cache=caches)
+    with phases.probe(caches):       # appended, scored, then dropped without a trace
+        model(instruction, cache=caches)
+    phases.tell(caches, "instruction")
+    logits = model(instruction, cache=caches)
+    phases.tell(caches, "decode")    # prefill ends here: prefill-end policies compress now
+
+``velox_cache.stream_prefill`` does all of this for one prompt. A stack that is
+never told a phase falls back to inferring the end of prefill from the first
+single-token call (what ``mlx_lm.generate`` does with the prompt's last token);
+once told, a single-token call is just a one-token chunk.
+
+Caches that know nothing of phases (mlx-lm's own, for layers Velox does not
+replace) are left alone, except that a probe must not stay in them: it is
+trimmed off where the cache is trimmable, and refused where it is not. The
+members of a hybrid layer's ``CacheList`` count as caches of their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+
+class Phase(str, enum.Enum):
+    """What the next model calls on a cache stack are."""
+
+    DOCUMENT = "document"
+    PROBE = "probe"
+    INSTRUCTION = "instruction"
+    DECODE = "decode"
+
+    @classmethod
+    def parse(cls, value) -> "Phase":
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(p.value for p in cls)
+            raise ValueError(f"phase: {value!r} is not one of {names}") from None
+
+
+@dataclass(frozen=True)
+class ProbeMark:
+    """What a probe must give back: one layer's slots, buffer size, offset and tokens seen before it ran."""
+
+    stored: int
+    capacity: int
+    offset: int
+    tokens_seen: int
+
+    @classmethod
+    def of(cls, slots) -> "ProbeMark":
+        """The mark of ``slots`` (a ``velox_cache.cache.slots.TokenSlots``) as they are now."""
+        return cls(slots.stored, slots.capacity, slots.offset, slots.tokens_seen)
+
+    def restore(self, slots) -> None:
+        """Drop everything appended since the mark, exactly (spare slots zeroed as they were)."""
+        if not slots.empty:
+            slots.truncate(self.stored, self.capacity)
+        slots.offset, slots.tokens_seen = self.offset, self.tokens_seen
+
+
+class LayerPhase:
+    """Where one layer's sequence is: prefilling or decoding, the phase told last, and a running probe."""
+
+    def __init__(self):
+        self.prefilling = True
+        self.told: Optional[Phase] = None  # None: never told (the end of prefill is inferred)
+        self.probe: Optional[ProbeMark] = None
+        self.probe_scores = None  # [B, H, held before the probe]: the probe's pooled ranking
+
+    @property
+    def current(self) -> Optional[Phase]:
+        """The phase told last (``PROBE`` while one runs); None when never told."""
+        return Phase.PROBE if self.probe is not None else self.told
+
+    @property
+    def in_probe(self) -> bool:
+        return self.probe is not None
+
+    @property
+    def in_prefill_chunk(self) -> bool:
+        """A prefill call that is not a probe."""
+        return self.prefilling and self.probe is None
+
+    @property
+    def in_document(self) -> bool:
+        """A document chunk (or, never told, any prefill call)."""
+        return self.probe is None and self.told in (None, Phase.DOCUMENT)
+
+    @property
+    def in_document_chunk(self) -> bool:
+        """A prefill call of the document (streaming ranks what it held before each one)."""
+        return self.in_prefill_chunk and self.in_document
+
+    def tell(self, phase: Phase) -> bool:
+        """The next calls belong to ``phase`` (not a probe); True when this ends prefill."""
+        if phase is Phase.PROBE:
+            raise ValueError("phase: a probe starts with start_probe")
+        if phase is not Phase.DECODE and not self.prefilling:
+            raise ValueError(f"phase: {phase.value!r} after decoding started; build a fresh cache stack per sequence")
+        self.told = phase
+        return phase is Phase.DECODE and self.prefilling
+
+    def start_probe(self, mark: ProbeMark) -> None:
+        """A probe starts; ``mark`` is what it must give back."""
+        if not self.prefilling:
+            raise ValueError("phase: a probe runs during prefill, not after decoding started")
+        if self.probe is not None:
+            raise ValueError("phase: a probe is already running; end it first")
+        self.probe, self.probe_scores = mark, None
+        self.told = self.told or Phase.DOCUMENT
+
+    def finish_probe(self) -> tuple:
+        """The probe ends: ``(mark, its ranking or None)``."""
+        mark, scores = self.probe, self.probe_scores
+        self.probe = self.probe_scores = None
+        return mark, scores
+
+
+def leaves(caches: Iterable) -> list:
+    """Every cache of a stack, with the members of a ``CacheList`` (a hybrid layer) in its place."""
+    found = []
+    for cache in caches:
+        members = getattr(cache, "caches", None)
+        found.extend(members if isinstance(members, (list, tuple)) else [cache])
+    return found
+
+
+def knows_phases(cache) -> bool:
+    """True for caches that take phases (every Velox eviction cache)."""
+    return callable(getattr(cache, "begin_phase", None))
+
+
+def tell(caches: Iterable, phase) -> None:
+    """Tell every phase-aware cache in ``caches`` that the next calls belong to ``phase``."""
+    phase = Phase.parse(phase)
+    if phase is Phase.PROBE:
+        raise ValueError("phase: use `with phases.probe(caches):` for a probe (it must be dropped afterwards)")
+    for cache in leaves(caches):
+        if knows_phases(cache):
+            cache.begin_phase(phase)
+
+
+def wants_probe(caches: Iterable) -> bool:
+    """True when some cache in the stack ranks tokens by a probe (streaming timing)."""
+    return any(getattr(cache, "uses_probes", False) for cache in leaves(caches))
+
+
+@contextlib.contextmanager
+def probe(caches: list):
+    """Run the block's model calls as a probe: scored, then dropped from every cache on exit.
+
+    Velox caches rank their held tokens by the probe's attention (under the
+    streaming timing), evict to budget and drop the probe's keys and values,
+    restoring ``offset`` and the accounting. Other trimmable caches are
+    trimmed back; a stack with a cache that can drop nothing is refused
+    before anything runs.
+    """
+    stack = list(caches)
+    for index, layer in enumerate(stack):
+        for cache in leaves([layer]):
+            if not knows_phases(cache) and not _trimmable(cache):
+                raise TypeError(f"caches[{index}]: {type(cache).__name__} cannot drop a probe's tokens")
+    members = leaves(stack)
+    offsets = [None if knows_phases(c) else c.offset for c in members]
+    for cache in members:
+        if knows_phases(cache):
+            cache.begin_phase(Phase.PROBE)
+    try:
+        yield stack
+    finally:
+        for cache, offset in zip(members, offsets):
+            if knows_phases(cache):
+                cache.end_probe()
+            elif cache.offset > offset:
+                cache.trim(cache.offset - offset)
+
+
+def _trimmable(cache) -> bool:
+    check = getattr(cache, "is_trimmable", None)
+    return bool(check and check()) and hasattr(cache, "trim")

@@ -1,0 +1,155 @@
+"""Selectors: rank held tokens by the attention of chosen queries, pooled over neighbours.
+
+Two choices use them. At the end of prefill (SnapKV, PyramidKV) the prompt's
+last ``window`` queries rank every held token. In streaming prefill the
+*probe* (the instruction that follows the document, run on top of each chunk
+and then dropped) ranks every held and new token with all of its queries.
+Both max-pool the mass over ``kernel`` neighbouring slots, so that a fact
+split into several tokens (six digits) survives whole.
+
+Where the remembered queries and the held keys cannot reproduce the window's
+attention (keys derived from the stored ones, as in multi-head latent
+attention; an additive position mask; attention sinks), the window's
+attention is kept as it was computed instead (``remember_attention``).
+
+``blend_with_mass`` mixes a window's or probe's ranking with the held tokens'
+cumulative attention mass (``KVCacheConfig.mass_weight``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from ..kernels import attention
+from ..kernels.attend import attend_and_score
+from .signals import fold_heads
+
+
+def pooled_mass(probs: mx.array, kernel: int) -> mx.array:
+    """Attention mass per key ``[B, H, N]`` of ``probs`` ``[B, H, R, S, N]``, max-pooled over ``kernel``."""
+    return attention.max_pool(attention.key_mass(probs), kernel)
+
+
+class WindowSelector:
+    """Remembers the latest ``window`` queries (or proxy keys) and ranks held keys by their pooled attention."""
+
+    def __init__(self, window: int, kernel: int):
+        self.window = window
+        self.kernel = kernel
+        self.queries: Optional[mx.array] = None  # [B, H*R, W, D]
+        self.positions: Optional[mx.array] = None  # [W], the position of each query
+        self.mass: Optional[mx.array] = None  # [B, H, W, N]: each window row's attention, kept as computed
+
+    @property
+    def arrays(self) -> list:
+        return [a for a in (self.queries, self.positions, self.mass) if a is not None]
+
+    @property
+    def ready(self) -> bool:
+        return self.queries is not None or self.mass is not None
+
+    def clear(self) -> None:
+        self.queries = self.positions = self.mass = None
+
+    def remember(self, queries: mx.array, first_position: int) -> None:
+        """Add a call's queries ``[B, H*R, S, D]`` at positions ``first_position ..``; keep the last ``window``."""
+        self.mass = None
+        window = self.window
+        n_new = queries.shape[2]
+        positions = mx.arange(first_position, first_position + n_new, dtype=mx.int32)
+        if self.queries is None or n_new >= window:
+            self.queries = queries[:, :, -window:]
+            self.positions = positions[-window:]
+        else:
+            self.queries = mx.concatenate([self.queries, queries], axis=2)[:, :, -window:]
+            self.positions = mx.concatenate([self.positions, positions])[-window:]
+
+    def remember_attention(self, queries, keys, scale, mask, sinks, heads: int) -> None:
+        """Keep the attention the call's last ``window`` queries paid each key, as computed, on ``heads`` heads."""
+        rows = min(self.window, queries.shape[2])
+        row_mask = mask
+        if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] > 1:
+            row_mask = mask[..., -rows:, :]
+        probs = attention.attention_probs(queries[:, :, -rows:], keys, scale, row_mask, sinks)  # [B, H', R, rows, N]
+        self.remember_mass(fold_heads(probs.sum(axis=2), heads))
+
+    def remember_mass(self, row_mass: mx.array) -> None:
+        """Add a call's last rows' attention ``[B, H, rows, N]`` (N: the keys it saw); keep the last ``window``.
+
+        Earlier rows never saw this call's keys: they get zero mass there.
+        """
+        self.queries = self.positions = None
+        if self.mass is not None and row_mass.shape[2] < self.window:
+            earlier = _pad_keys(self.mass, row_mass.shape[-1])
+            row_mass = mx.concatenate([earlier, row_mass], axis=2)
+        self.mass = row_mass[:, :, -self.window :]
+
+    def keep(self, indices: mx.array, n_slots: int) -> None:
+        """The ``n_slots`` held slots became ``indices`` ``[B, H, K]`` of them: keep the kept mass in step."""
+        if self.mass is None:
+            return
+        mass = _pad_keys(self.mass, n_slots)  # [B, H, W, n_slots]
+        index = mx.broadcast_to(indices[:, :, None], (*mass.shape[:3], indices.shape[-1]))
+        self.mass = mx.take_along_axis(mass, index, axis=-1)
+
+    def scores(
+        self, keys: mx.array, key_positions: mx.array, *, scale: Optional[float] = None, slots=None
+    ) -> mx.array:
+        """SnapKV: the remembered queries' attention on ``keys`` ``[B, H, N, D]``, max-pooled ``[B, H, N]``.
+
+        A query sees the keys at or before its own position (``key_positions``
+        ``[B, H, N]``). ``scale`` is the softmax scale of the remembered
+        queries (default ``D ** -0.5``). ``slots`` (the ``TokenSlots`` that
+        hold ``keys``) says which keys each query head sees and pools by head
+        where the layer's heads share one buffer (per-head budgets). Attention
+        kept as computed is used as it is.
+        """
+        pool = attention.max_pool if slots is None else slots.pool
+        if self.mass is not None:
+            mass = _pad_keys(self.mass, keys.shape[2])[..., : keys.shape[2]]
+            return pool(mass.sum(axis=2), self.kernel)
+        batch, n_q_heads, n_queries, _ = self.queries.shape
+        visible = key_positions[:, :, None, None, :] <= self.positions[None, None, None, :, None]  # [B, H, 1, W, N]
+        group = n_q_heads // keys.shape[1]
+        visible = mx.broadcast_to(visible, (*visible.shape[:2], group, *visible.shape[3:]))
+        visible = visible.reshape(batch, n_q_heads, n_queries, keys.shape[2])
+        heads_see = None if slots is None else slots.heads_see(n_q_heads)
+        if heads_see is not None:
+            visible = visible & heads_see
+        scale = keys.shape[-1] ** -0.5 if scale is None else scale
+        # as the window's own attention is computed: Velox's kernel where it runs, else a precise softmax
+        mass = attend_and_score(self.queries, keys, None, scale=scale, mask=visible, score_rows=n_queries).key_mass
+        return pool(mass, self.kernel)
+
+    def probe_scores(self, key_mass: mx.array, n_keys: int, slots=None) -> mx.array:
+        """The probe's attention mass ``[B, H, N]`` on the first ``n_keys`` keys (the non-probe ones), pooled.
+
+        ``slots``: the ``TokenSlots`` the keys are in (they pool by head where heads share one buffer).
+        """
+        pool = attention.max_pool if slots is None else slots.pool
+        return pool(key_mass[..., :n_keys], self.kernel)
+
+
+def blend_with_mass(ranking: mx.array, mass: mx.array, weight: float) -> mx.array:
+    """``ranking`` ``[B, H, held]`` blended with the held tokens' cumulative ``mass`` by ``weight``.
+
+    Both are normalised per head first; the blend keeps ``ranking``'s total,
+    so that decoding's attention mass adds to it on the same scale.
+    """
+    if not weight:
+        return ranking
+    total = ranking.sum(axis=-1, keepdims=True)
+    return total * ((1 - weight) * _per_head_share(ranking) + weight * _per_head_share(mass))
+
+
+def _per_head_share(scores: mx.array) -> mx.array:
+    """``scores`` ``[B, H, N]`` divided by each head's total (a head with none stays zero)."""
+    return scores / mx.maximum(scores.sum(axis=-1, keepdims=True), 1e-30)
+
+
+def _pad_keys(mass: mx.array, n_keys: int) -> mx.array:
+    """``mass`` ``[..., N]`` with zero mass for keys ``N .. n_keys - 1``."""
+    pad = n_keys - mass.shape[-1]
+    return mx.pad(mass, [(0, 0)] * (mass.ndim - 1) + [(0, pad)]) if pad > 0 else mass

@@ -1,0 +1,375 @@
+"""``BatchedLayer``: one layer's caches of B prefilled sequences, decoding together.
+
+Each row is one sequence's cache for this layer (a Velox evicting cache that
+has finished prefill, or a full cache: Velox's ``FullKVCache`` or mlx-lm's
+``KVCache``), with its own counts (``stored``, ``offset``, tokens seen) and
+its own budget. The held tokens sit right-padded in one buffer
+``[B, H, T, D]``; a validity mask keeps padded slots out of attention, out of
+the scores and out of the eviction ranking.
+
+A decode step is one vectorised write per layer: each row at its budget puts
+its new token into its own lowest-ranked slot (sinks and the recent window
+protected, as ``TokenSlots.replace_lowest``), each row below it (and every
+full row) into its next free slot. Attention runs on the layer's own mask, so
+the model's attention must be routed (``velox_cache.observe`` or
+``velox_cache.fast_attention``): the mask the model builds from its first
+layer cannot fit layers whose rows hold other counts.
+
+``extract(row)`` writes a row's state back into its own cache object, with
+the buffers, counts and positions that decoding it alone would have left
+(buffer growth simulated as the row's cache grows), so its accounting and
+later use are the same.
+
+What cannot batch is a ``BatchUnsupported`` error, raised before any row's
+cache is touched: caches mid-prefill or mid-probe, cache kinds other than the
+above (sliding-window, state-space, quantized, shared-KV layers), unequal
+shapes or dtypes, multi-token calls, attention that did not reach the layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, _BaseCache
+
+from ..cache.base import EvictingKVCache
+from ..cache.signals import Recency, fold_heads
+from ..cache.slots import GROWTH_STEP
+from ..kernels.attend import attend_and_score
+from ..kernels.observe import is_routed
+
+FULL_STEP = KVCache.step  # mlx-lm's KVCache grows by this many slots
+
+
+class BatchUnsupported(ValueError):
+    """These caches (or this model) cannot decode as one batch; decode the rows one at a time."""
+
+
+@dataclass
+class _Row:
+    """One row's counts and settings for this layer."""
+
+    cache: object
+    evicting: bool
+    stored: int
+    offset: int
+    seen: int
+    capacity: int  # the buffer length decoding alone would have now
+    budget: Optional[int] = None  # None: keeps every token (a full cache)
+    n_sink: int = 0
+    recent: int = 0
+    signal: type = Recency
+    observed: bool = False
+    scale: Optional[float] = None
+
+    @classmethod
+    def of(cls, cache, layer: int) -> "_Row":
+        if isinstance(cache, EvictingKVCache):
+            return cls._of_evicting(cache, layer)
+        if not isinstance(cache, KVCache) or cache.keys is None:
+            raise BatchUnsupported(
+                f"layer {layer}: a {type(cache).__name__} cannot decode in a batch (only Velox's evicting "
+                "and full caches and mlx-lm's KVCache can, after prefill)"
+            )
+        return cls(cache, False, cache.offset, cache.offset, cache.offset, cache.keys.shape[2])
+
+    @classmethod
+    def _of_evicting(cls, cache: EvictingKVCache, layer: int) -> "_Row":
+        refusal = cache.batch_refusal()
+        if refusal is not None:
+            raise BatchUnsupported(f"layer {layer}: {refusal}")
+        slots, budget = cache.slots, cache.layer_budget
+        if getattr(slots.signal, "folds", "") not in ("add", "replace", None):
+            raise BatchUnsupported(f"layer {layer}: signal {slots.signal.__name__} has no batched form")
+        return cls(
+            cache,
+            True,
+            slots.stored,
+            slots.offset,
+            slots.tokens_seen,
+            slots.capacity,
+            budget=budget,
+            n_sink=slots.n_sink,
+            recent=max(0, min(slots.recent, budget - slots.n_sink - 1)),
+            signal=slots.signal,
+            observed=cache.scoring == "observed",
+            scale=cache.attention_scale,
+        )
+
+    @property
+    def at_budget(self) -> bool:
+        return self.evicting and self.stored == self.budget
+
+    @property
+    def scores_decode(self) -> bool:
+        """True when this row's signal folds each decode step's attention."""
+        return self.evicting and self.signal.rows(1) > 0
+
+    def advance(self) -> None:
+        """One token appended (or put in place of the lowest-ranked one): counts and buffer as alone."""
+        self.offset += 1
+        self.seen += 1
+        if self.at_budget:
+            self.capacity = self.stored  # TokenSlots.replace trims the buffer to the held slots
+            return
+        end = self.stored + 1
+        if end > self.capacity:
+            if self.evicting:  # TokenSlots.spare_for: room up to the budget
+                self.capacity = max(end, min(self.budget, end + GROWTH_STEP))
+            else:  # mlx-lm's KVCache: trimmed to what it holds, then one more step
+                self.capacity = self.stored + FULL_STEP
+        self.stored = end
+
+
+class HeldRows(NamedTuple):
+    """What B caches of one layer hold, right-padded to the longest row: where a batched layer starts."""
+
+    rows: list  # [_Row]: each row's counts and settings
+    width: int  # the longest row's held tokens
+    keys: mx.array  # [B, H, width, D]
+    values: mx.array  # [B, H, width, Dv]
+    scores: mx.array  # [B, H, width] float32 (zeros for a full cache)
+    positions: mx.array  # [B, H, width] int32
+
+    @classmethod
+    def of(cls, caches: list, layer: int) -> "HeldRows":
+        """Raises ``BatchUnsupported`` when the caches cannot share a batch."""
+        if not caches:
+            raise BatchUnsupported("a batch needs at least one row")
+        rows = [_Row.of(cache, layer) for cache in caches]
+        held = [_held(row) for row in rows]
+        shapes = {(k.shape[1], k.shape[3], v.shape[3], k.dtype, v.dtype) for k, v, _, _ in held}
+        if len(shapes) > 1:
+            raise BatchUnsupported(f"layer {layer}: rows differ in heads, head dims or dtypes: {sorted(map(str, shapes))}")
+        width = max(row.stored for row in rows)
+        padded = [mx.concatenate([_pad(part, width, axis=2) for part in parts]) for parts in zip(*held)]
+        return cls(rows, width, *padded)
+
+
+def _held(row: _Row):
+    """``(keys, values, scores, positions)`` one row holds now."""
+    if row.evicting:
+        slots = row.cache.slots
+        keys, values = slots.held()
+        return keys, values, slots.held_scores(), slots.held_positions()
+    keys, values = row.cache.keys[..., : row.stored, :], row.cache.values[..., : row.stored, :]
+    batch, heads = keys.shape[:2]
+    positions = mx.broadcast_to(mx.arange(row.stored, dtype=mx.int32), (batch, heads, row.stored))
+    return keys, values, mx.zeros((batch, heads, row.stored), mx.float32), positions
+
+
+class BatchedLayer(_BaseCache):
+    """One layer's caches of B sequences, decoding one token per row per call (see the module doc)."""
+
+    def __init__(self, caches: list, layer: int = 0):
+        self.layer = layer
+        held = HeldRows.of(caches, layer)
+        self.rows = held.rows
+        self.keys, self.values, self.scores, self.positions = held.keys, held.values, held.scores, held.positions
+        self._settings()
+        self._valid = None
+        self._attended = True
+
+    def _settings(self) -> None:
+        """Per-row settings as ``[B, 1, 1]`` arrays for the vectorised steps."""
+        rows = self.rows
+        column = _column
+        self._n_sink = column([row.n_sink for row in rows], mx.int32)
+        self._recent = column([row.recent for row in rows], mx.int32)
+        self._by_position = column([row.signal.by_position for row in rows], mx.bool_)
+        self._adds = column([row.scores_decode and row.signal.folds == "add" for row in rows], mx.bool_)
+        self._replaces = column([row.scores_decode and row.signal.folds == "replace" for row in rows], mx.bool_)
+        self._observed = column([row.observed for row in rows], mx.bool_)
+
+    # ----- mlx-lm cache protocol ----------------------------------------------------------
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's position for its next token, ``int32 [B]`` (mlx-lm's RoPE takes one per row)."""
+        return mx.array([row.offset for row in self.rows], mx.int32)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Put each row's one new token in its slot; returns the whole buffers (the layer's mask covers the padding)."""
+        if keys.shape[2] != 1 or keys.shape[0] != len(self.rows):
+            raise BatchUnsupported(
+                f"layer {self.layer}: a batch takes one token per row per call, got {keys.shape[0]} rows x {keys.shape[2]}"
+            )
+        if not is_routed():
+            raise BatchUnsupported(
+                "batched decoding needs the model's attention routed through Velox: run it inside "
+                "`velox_cache.observe(model)` or `velox_cache.fast_attention(model)`"
+            )
+        if not self._attended:
+            raise BatchUnsupported(f"layer {self.layer}: the last call's attention did not reach Velox (not routable)")
+        keys, values = keys.astype(self.keys.dtype), values.astype(self.values.dtype)
+        rows = self.rows
+        self._grow_if_full()
+        stored = _column([row.stored for row in rows], mx.int32)  # before this token
+        positions = _column([row.offset for row in rows], mx.int32)  # this token's
+        slot = mx.broadcast_to(stored, (*self.scores.shape[:2], 1))  # the next free slot
+        if any(row.at_budget for row in rows):
+            at_budget = _column([row.at_budget for row in rows], mx.bool_)
+            victim = mx.argmin(self._protected_ranking(stored, positions), axis=-1, keepdims=True)
+            slot = mx.where(at_budget, victim, slot)
+        index = slot[..., None]
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(index, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(index, values.shape), values, axis=2)
+        self.scores = mx.put_along_axis(self.scores, slot, mx.array(0.0), axis=-1)
+        self.positions = mx.put_along_axis(self.positions, slot, mx.broadcast_to(positions, slot.shape), axis=-1)
+        for row in rows:
+            row.advance()
+        held = _column([row.stored for row in rows], mx.int32)  # after this token (rows at budget: as before)
+        self._valid = _slot_numbers(self.keys.shape[2]) < held  # [B, 1, T]
+        if any(row.scores_decode and not row.observed for row in rows):
+            scale = next((row.scale for row in rows if row.scale is not None), keys.shape[-1] ** -0.5)
+            proxy = attend_and_score(keys, self.keys, None, scale=scale, mask=self._valid[:, :, None], score_rows=1)
+            self._fold(proxy.key_mass, observed=False)
+        self._attended = False
+        return self.keys, self.values
+
+    def observe_attention(self, queries, keys, values, scale, mask, sinks=None) -> mx.array:
+        """The step's attention over this layer's rows (padding masked), folding each observed row's scores."""
+        if keys.shape[2] != self.keys.shape[2] or keys.shape[1] != self.keys.shape[1]:
+            raise BatchUnsupported(f"layer {self.layer}: attention over keys other than the held ones cannot batch")
+        self._attended = True
+        score = any(row.scores_decode and row.observed for row in self.rows)
+        result = attend_and_score(
+            queries, keys, values, scale=scale, mask=self._valid[:, :, None], sinks=sinks, score_rows=int(score)
+        )
+        if score:
+            self._fold(result.key_mass, observed=True)
+        return result.output
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        """None: one token per row, and the layer masks its own padding when attention reaches it."""
+        if N != 1:
+            raise BatchUnsupported(f"layer {self.layer}: a batch takes one token per row per call, got {N}")
+        return None
+
+    @property
+    def state(self):
+        return [self.keys, self.values, self.scores, self.positions]
+
+    @state.setter
+    def state(self, value):
+        raise NotImplementedError("a BatchedLayer cannot be restored from a saved state")
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        return False
+
+    def size(self) -> int:
+        return max(row.stored for row in self.rows)
+
+    @property
+    def attended(self) -> bool:
+        """False when the last call's attention did not reach ``observe_attention``."""
+        return self._attended
+
+    # ----- rows in and out ----------------------------------------------------------------
+
+    def extract(self, index: int) -> None:
+        """Write row ``index``'s state into its own cache, as decoding it alone would have left it."""
+        row = self.rows[index]
+        keep = slice(index, index + 1)
+        keys, values = self.keys[keep, :, : row.stored], self.values[keep, :, : row.stored]
+        if not row.evicting:
+            cache = row.cache
+            cache.keys, cache.values = _pad(keys, row.capacity, axis=2), _pad(values, row.capacity, axis=2)
+            cache.offset = row.offset
+            return
+        slots = row.cache.slots
+        slots.keys, slots.values = _pad(keys, row.capacity, axis=2), _pad(values, row.capacity, axis=2)
+        slots.scores = _pad(self.scores[keep, :, : row.stored], row.capacity, axis=2)
+        slots.positions = _pad(self.positions[keep, :, : row.stored], row.capacity, axis=2)
+        slots.stored, slots.offset, slots.tokens_seen = row.stored, row.offset, row.seen
+
+    def keep_rows(self, indices: list[int]) -> None:
+        """Only rows ``indices`` stay in the batch (finished rows leave; extract them first)."""
+        self.rows = [self.rows[i] for i in indices]
+        width = max(row.stored for row in self.rows)
+        take = mx.array(indices, mx.int32)
+        self.keys, self.values = self.keys[take, :, :width], self.values[take, :, :width]
+        self.scores, self.positions = self.scores[take, :, :width], self.positions[take, :, :width]
+        self._settings()
+
+    def checkpoint(self) -> tuple:
+        """What ``restore`` needs to undo the calls made after it: the arrays' handles and the rows' counts.
+
+        Nothing is copied: the layer only ever rebinds its arrays (no in-place
+        writes), so the old handles still hold the old state.
+        """
+        arrays = (self.keys, self.values, self.scores, self.positions, self._valid, self._attended)
+        return arrays, [(row.stored, row.offset, row.seen, row.capacity) for row in self.rows]
+
+    def restore(self, checkpoint: tuple) -> None:
+        """The layer as it was when ``checkpoint()`` returned ``checkpoint`` (same rows)."""
+        arrays, counts = checkpoint
+        self.keys, self.values, self.scores, self.positions, self._valid, self._attended = arrays
+        for row, (stored, offset, seen, capacity) in zip(self.rows, counts):
+            row.stored, row.offset, row.seen, row.capacity = stored, offset, seen, capacity
+
+    # ----- mechanics ----------------------------------------------------------------------
+
+    def _grow_if_full(self) -> None:
+        """Room for every row that appends: grow the buffers when one of them has no free slot left."""
+        width = self.keys.shape[2]
+        appending = [row for row in self.rows if not row.at_budget]
+        if not any(row.stored >= width for row in appending):
+            return
+        needed = max(min(row.budget, row.stored + GROWTH_STEP) if row.evicting else row.stored + GROWTH_STEP for row in appending)
+        self.keys, self.values = _pad(self.keys, needed, axis=2), _pad(self.values, needed, axis=2)
+        self.scores, self.positions = _pad(self.scores, needed, axis=2), _pad(self.positions, needed, axis=2)
+
+    def _protected_ranking(self, stored: mx.array, offsets: mx.array) -> mx.array:
+        """``TokenSlots.protected_ranking`` for every row at once (``stored``, ``offsets``: ``[B, 1, 1]``).
+
+        Padded slots rank +inf: never evicted.
+        """
+        positions = self.positions
+        ranking = mx.where(self._by_position, positions.astype(mx.float32), self.scores)
+        padded = _slot_numbers(positions.shape[-1]) >= stored
+        protected = (positions < self._n_sink) | ((self._recent > 0) & (positions >= offsets - self._recent)) | padded
+        return mx.where(protected, mx.inf, ranking)
+
+    def _fold(self, mass: mx.array, *, observed: bool) -> None:
+        """Fold one step's key mass ``[B, H', T]`` into the scores of the rows scored this way."""
+        mass = fold_heads(mass, self.scores.shape[1]) * self._valid
+        mine = self._observed if observed else ~self._observed
+        self.scores = mx.where(
+            mine & self._adds, self.scores + mass, mx.where(mine & self._replaces, mass, self.scores)
+        )
+
+
+def _column(values: list, dtype) -> mx.array:
+    """One value per row as ``[B, 1, 1]``, to broadcast over heads and slots."""
+    return mx.array(values, dtype)[:, None, None]
+
+
+def _slot_numbers(width: int) -> mx.array:
+    """``0 .. width - 1`` as ``[1, 1, width]``."""
+    return mx.arange(width, dtype=mx.int32)[None, None]
+
+
+def _pad(array: mx.array, length: int, axis: int) -> mx.array:
+    """``array`` with zeros after it along ``axis`` up to ``length`` (as it is when already that long)."""
+    missing = length - array.shape[axis]
+    if missing <= 0:
+        return array
+    widths = [(0, 0)] * array.ndim
+    widths[axis] = (0, missing)
+    return mx.pad(array, widths)
+
+
+def batch_layers(stacks: list[list]) -> list[BatchedLayer]:
+    """One ``BatchedLayer`` per layer for the prefilled cache stacks ``stacks`` (one per row, same model)."""
+    if not stacks:
+        raise BatchUnsupported("a batch needs at least one row")
+    depth = {len(stack) for stack in stacks}
+    if len(depth) > 1:
+        raise BatchUnsupported(f"rows have stacks of different depths {sorted(depth)}: not the same model")
+    return [BatchedLayer([stack[layer] for stack in stacks], layer) for layer in range(len(stacks[0]))]

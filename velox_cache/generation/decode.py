@@ -1,0 +1,286 @@
+"""Decoding prefilled sequences: one at a time, or many in one batch (``BatchedLayer``).
+
+A ``DecodeRow`` is one sequence whose cache stack has finished prefill, with
+its sampler and the log-probabilities of its next token. ``decode_rows``
+generates for every row: alone (exactly the loop ``mlx_lm.generate_step``
+runs, one token per model call) or together, one model call per step for
+all rows, each row's token choice and stop on its own. A row that stops (EOS,
+or its ``max_tokens``) leaves the batch with its state written back into its
+own caches; no cache is ever fed a token that decoding alone would not feed
+it (the EOS token, or one after the last).
+
+Decode seconds of a batched step are shared equally by the rows in it, so
+the rows' seconds add up to the wall time of the batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence, Union
+
+import mlx.core as mx
+
+from ..builder import KVCacheBuilder
+from ..config import KVCacheConfig
+from ..kernels.observe import can_route, fast_attention, observe
+from .batching import BatchUnsupported, batch_layers
+from .prefill import prefill_phases
+from .sampling import TokenSampler
+from .snapshot import restore, snapshot
+
+
+@dataclass
+class DecodeRow:
+    """One prefilled sequence to decode, and what decoding it produced.
+
+    ``logprobs`` ``[1, V]``: the next token's log-probabilities (the prefill's
+    last position, processed by the sampler's logits processors).
+    """
+
+    caches: list
+    sampler: TokenSampler
+    logprobs: mx.array
+    max_tokens: int
+    eos: frozenset = frozenset()
+    tokens: list = field(default_factory=list)
+    token_logprobs: list = field(default_factory=list)  # of each generated token
+    stop_reason: Optional[str] = None  # "eos" or "max_tokens" once done
+    decode_seconds: float = 0.0
+    batch_size: int = 1  # the most rows it decoded beside in one step, itself included
+    pending: Optional[int] = None  # chosen and accepted, not yet fed to the model
+
+    @property
+    def done(self) -> bool:
+        return self.stop_reason is not None
+
+    @property
+    def stops_after_next(self) -> bool:
+        """True when the next token taken stops this row whatever it is (its ``max_tokens``)."""
+        return len(self.tokens) + 1 >= self.max_tokens
+
+    def take(self, token: int, logprob: float) -> None:
+        """The sampler chose ``token``: stop on EOS or at ``max_tokens``, else it goes to the model next."""
+        if token in self.eos:
+            self.stop_reason = "eos"
+            return
+        self.tokens.append(token)
+        self.token_logprobs.append(logprob)
+        if len(self.tokens) >= self.max_tokens:
+            self.stop_reason = "max_tokens"
+            return
+        self.sampler.accept(token)
+        self.pending = token
+
+
+def decode_rows(
+    model, rows: Iterable[DecodeRow], *, batch: bool = True, pipelined: Optional[bool] = None
+) -> list[DecodeRow]:
+    """Generate for every row (see the module doc); returns the rows, each done.
+
+    ``batch`` False (or a single row) decodes each row alone. ``pipelined``
+    (as ``mlx_lm.generate_step``): the next step's model call is built on the
+    lazily sampled tokens while this step computes, then checked against them;
+    when a row stops at EOS the step built ahead is undone (restored from
+    handles kept for that, no copy), so no cache is fed a token it would not be
+    fed unpipelined, and the tokens are the same. None (the default) pipelines
+    batched steps everywhere and one-row steps only on a GPU: on a CPU the
+    host's graph building competes with the step's own threads, and one row's
+    per-step checkpoint (a ``snapshot`` of its stack) costs more than the
+    overlap saves (bench/RESULTS.md, "Pipelined decode"). Rows that
+    cannot decode together (``BatchUnsupported``: an unroutable model, cache
+    kinds that do not batch, RoPE that needs one offset) decode alone too.
+    Batched decoding needs the model's attention routed
+    (``velox_cache.observe`` or ``velox_cache.fast_attention``).
+    """
+    rows = list(rows)
+    live = [row for row in rows if not row.done]
+    if batch and len(live) > 1:
+        _decode_together(model, live, True if pipelined is None else pipelined)
+    alone_pipelined = mx.default_device() == mx.gpu if pipelined is None else pipelined
+    for row in live:
+        if not row.done:
+            decode_alone(model, row, pipelined=alone_pipelined)
+    return rows
+
+
+def decode_alone(model, row: DecodeRow, *, pipelined: bool = False) -> DecodeRow:
+    """One row, one token per model call on its own caches (``mlx_lm.generate_step``'s loop).
+
+    ``pipelined``: the next step's model call is built while this step's token
+    is computed (see ``decode_rows``); the tokens and caches are the same.
+    """
+    start = time.perf_counter()
+    logits = None  # the next step's, when it was built ahead
+    while not row.done:
+        if row.pending is not None:
+            logits = model(mx.array([[row.pending]]), cache=row.caches)[:, -1, :] if logits is None else logits
+            row.pending = None
+            row.logprobs = row.sampler.logprobs(logits)
+        token = row.sampler.sample(row.logprobs)
+        value = mx.take_along_axis(row.logprobs, token[:, None], axis=-1)[:, 0]
+        mx.async_eval(token, value)
+        logits, saved = None, None
+        if pipelined and not row.stops_after_next:
+            saved = snapshot(row.caches)
+            logits = model(token[None], cache=row.caches)[:, -1, :]
+        row.take(token.item(), value.item())
+        if saved is not None:
+            if row.done:  # it stopped at EOS: its caches never see the step built ahead
+                restore(row.caches, saved)
+                logits = None
+            saved = None  # gone before the step ahead is evaluated, so its buffers update in place
+    row.decode_seconds += time.perf_counter() - start
+    return row
+
+
+def _sample_together(rows: list[DecodeRow]) -> tuple[mx.array, mx.array]:
+    """Each row's next token sampled from its own ``logprobs``, and its log-probability (both ``[B]``, lazy)."""
+    tokens = [row.sampler.sample(row.logprobs) for row in rows]
+    logprobs = [mx.take_along_axis(row.logprobs, token[:, None], axis=-1)[:, 0] for row, token in zip(rows, tokens)]
+    return mx.concatenate(tokens), mx.concatenate(logprobs)
+
+
+def _take_together(rows: list[DecodeRow], chosen: mx.array, values: mx.array) -> None:
+    for row, token, value in zip(rows, chosen.tolist(), values.tolist()):
+        row.take(token, value)
+
+
+def _decode_together(model, rows: list[DecodeRow], pipelined: bool) -> None:
+    start = time.perf_counter()
+    _take_together(rows, *_sample_together(rows))
+    _share(rows, time.perf_counter() - start, batched=False)
+    in_batch = [row for row in rows if not row.done]
+    if len(in_batch) < 2:
+        return
+    start = time.perf_counter()
+    try:  # nothing of the rows' own caches is touched before the first step has run
+        layers = batch_layers([row.caches for row in in_batch])
+        logits = model(mx.array([[row.pending] for row in in_batch]), cache=layers)[:, -1, :]
+        if not all(layer.attended for layer in layers):
+            raise BatchUnsupported("the model's attention did not reach the batched caches (not routable)")
+    except BatchUnsupported:
+        return  # each row decodes alone from its pending token
+    while in_batch:
+        if logits is None:
+            logits = model(mx.array([[row.pending] for row in in_batch]), cache=layers)[:, -1, :]
+        for index, row in enumerate(in_batch):
+            row.pending = None
+            row.logprobs = row.sampler.logprobs(logits[index : index + 1])
+        chosen, values = _sample_together(in_batch)
+        mx.async_eval(chosen, values, *[layer.scores for layer in layers])
+        logits, saved = None, None
+        if pipelined and not any(row.stops_after_next for row in in_batch):
+            saved = [layer.checkpoint() for layer in layers]
+            logits = model(chosen[:, None], cache=layers)[:, -1, :]  # built while this step computes
+        _take_together(in_batch, chosen, values)
+        _share(in_batch, time.perf_counter() - start)
+        start = time.perf_counter()
+        finished = [i for i, row in enumerate(in_batch) if row.done]
+        if saved is not None and finished:  # a row stopped at EOS: undo the step built ahead
+            for layer, checkpoint in zip(layers, saved):
+                layer.restore(checkpoint)
+            logits = None
+        saved = None  # gone before the step ahead is evaluated, so its buffers update in place
+        if not finished:
+            continue
+        for layer in layers:
+            for index in finished:
+                layer.extract(index)
+        remaining = [i for i, row in enumerate(in_batch) if not row.done]
+        in_batch = [in_batch[i] for i in remaining]
+        if in_batch:
+            for layer in layers:
+                layer.keep_rows(remaining)
+
+
+def _share(rows: list[DecodeRow], seconds: float, batched: bool = True) -> None:
+    """A step's wall time, shared equally by its rows (a model call for all of them when ``batched``)."""
+    for row in rows:
+        row.decode_seconds += seconds / len(rows)
+        if batched:
+            row.batch_size = max(row.batch_size, len(rows))
+
+
+@dataclass
+class BatchResponse:
+    """What ``batch_generate`` returns: one entry per prompt, in prompt order."""
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    stop_reasons: list[str]
+    batch_sizes: list[int]  # the most sequences each prompt decoded beside, itself included
+
+
+def batch_generate(
+    model,
+    tokenizer,
+    prompts: Sequence[Union[str, Sequence[int]]],
+    config: KVCacheConfig,
+    *,
+    max_tokens: int = 256,
+    prefill_step_size: int = 256,
+    batch_size: int = 8,
+    seeds: Optional[Sequence[int]] = None,
+    **sampling,
+) -> BatchResponse:
+    """Generate for every prompt with its own fresh Velox cache stack, decoding ``batch_size`` at a time.
+
+    Like ``mlx_lm.batch_generate`` (``.texts``), with compressed caches: each
+    prompt (text, or token ids) gets a stack from ``KVCacheBuilder.for_model``
+    (and its own squeeze coordinator), is prefilled in chunks of
+    ``prefill_step_size``, and decodes in a batch with the others: greedy, or
+    sampled with mlx-lm's samplers (``sampling``: ``TokenSampler``'s keywords,
+    ``temperature``, ``top_p``, ``min_p``, ``top_k``, ``repetition_penalty``,
+    ``repetition_context_size``); prompt ``i`` draws from seed ``seeds[i]``
+    (default 0), the same tokens as it would alone. The model's
+    attention runs through Velox (``observe`` for observed scoring, else
+    ``fast_attention``); a model that cannot be routed decodes one at a time.
+
+    Example::
+
+        texts = velox_cache.batch_generate(model, tokenizer, prompts,
+                                           KVCacheConfig(method="pyramidkv", budget=128)).texts
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size: must be at least 1, got {batch_size}")
+    prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    seeds = list(seeds) if seeds is not None else [0] * len(prompts)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"seeds: {len(seeds)} seeds for {len(prompts)} prompts")
+    if "seed" in sampling:
+        raise ValueError("seed: give one per prompt as seeds=[...]")
+    TokenSampler(**sampling)  # unknown keywords fail here, before any prefill
+    eos = frozenset(tokenizer.eos_token_ids)
+    rows: list[DecodeRow] = []
+    with _routing(model, config):
+        for start in range(0, len(prompts), batch_size):
+            group = []
+            for tokens, seed in zip(prompts[start : start + batch_size], seeds[start : start + batch_size]):
+                if not tokens:
+                    raise ValueError(f"prompts[{len(rows) + len(group)}]: the prompt is empty")
+                caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(tokens))
+                logits = prefill_phases(
+                    model, caches, document=tokens, chunk_size=prefill_step_size, max_new_tokens=max_tokens
+                )
+                sampler = TokenSampler(tokens, seed=seed, **sampling)
+                group.append(DecodeRow(caches, sampler, sampler.logprobs(logits), max_tokens, eos))
+            decode_rows(model, group, batch=can_route(model))
+            for row in group:
+                row.caches = None  # the stack is done with: free it before the next group
+            rows += group
+    return BatchResponse(
+        texts=[tokenizer.decode(row.tokens) for row in rows],
+        token_ids=[row.tokens for row in rows],
+        stop_reasons=[row.stop_reason for row in rows],
+        batch_sizes=[row.batch_size for row in rows],
+    )
+
+
+def _routing(model, config: KVCacheConfig):
+    if not can_route(model):
+        return contextlib.nullcontext()
+    if config.method != "full" and config.scoring in ("observed", None):
+        return observe(model)
+    return fast_attention(model)

@@ -1,0 +1,151 @@
+"""``prefill_phases``: feed one prompt to a cache stack part by part, telling each phase.
+
+A prompt is a ``prefix`` (system message, chat header), a ``document`` and an
+``instruction`` (what the job asks, after the document, with the chat
+template's tail). The document is read in chunks of ``chunk_size``. Under the
+streaming timing (FINCH) the instruction also runs as a *probe* on top of
+every chunk but the last: its queries rank the held and new tokens, each
+layer evicts to its budget (times ``stream_headroom``, 1 by default) and the
+probe is dropped without a trace. The last chunk needs no probe: the
+instruction itself follows, and its queries rank what is held when decoding
+starts, evicting to the budget itself. Per layer, held keys never exceed
+budget x headroom + chunk + probe, and every chunk attends to at most that
+many keys, so prefill time grows linearly with the document.
+
+Positions: original positions are kept while the prompt fits the model's
+context. When the next chunk and its probe, or the instruction and the
+tokens to generate, would run past it, every layer re-rotates its held keys
+to contiguous positions (``compact_positions``) and reading goes on, so a
+document longer than the context can be read at all.
+
+With no instruction (a ready-made prompt) the whole prompt is the document:
+streaming caches then rank each chunk by its own last queries (SnapKV per
+chunk) just before the next chunk arrives.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import mlx.core as mx
+
+from ..cache import phases
+from ..cache.phases import Phase
+from ..kernels.rope import RotaryShift
+
+
+class ContextError(ValueError):
+    """The prompt cannot be read within the model's context, even re-rotated."""
+
+
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def model_context(model) -> Optional[int]:
+    """The number of positions the model was trained for, from its config; None if it does not say.
+
+    mlx-lm models keep their config as ``model.args``; llama-style configs name it
+    ``max_position_embeddings``, others one of ``CONTEXT_FIELDS``.
+    """
+    args = getattr(model, "args", None)
+    for name in CONTEXT_FIELDS:
+        value = getattr(args, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def prefill_phases(
+    model,
+    caches: list,
+    *,
+    document: Sequence[int],
+    instruction: Sequence[int] = (),
+    prefix: Sequence[int] = (),
+    chunk_size: int = 256,
+    max_new_tokens: int = 0,
+    context_length: Optional[int] = None,
+    after_call: Optional[Callable[[str, list], None]] = None,
+) -> mx.array:
+    """Prefill ``prefix + document + instruction`` into ``caches``; returns the last position's logits ``[1, V]``.
+
+    Tells the caches each phase (document chunks, probes, the instruction,
+    then ``decode``, which ends prefill), so the caller decodes next with the
+    same ``caches``. ``context_length`` defaults to the model's;
+    ``max_new_tokens`` is kept free of it. ``after_call(event, caches)`` runs
+    after every model call (``"document"``, ``"probe"``, ``"instruction"``)
+    and after every probe is dropped (``"probe_dropped"``), for progress and
+    checks.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: must be at least 1, got {chunk_size}")
+    body = list(prefix) + list(document)
+    instruction = list(instruction)
+    if not body and not instruction:
+        raise ValueError("document: the prompt is empty")
+    caches = list(caches)
+    probe = instruction if instruction and phases.wants_probe(caches) else []
+    positions = _Positions(model, caches, context_length)
+    notify = after_call or (lambda event, stack: None)
+
+    phases.tell(caches, Phase.DOCUMENT)
+    logits = None
+    chunks = [body[i : i + chunk_size] for i in range(0, len(body), chunk_size)]
+    for index, chunk in enumerate(chunks):
+        last = index == len(chunks) - 1
+        positions.make_room(len(chunk) + (0 if last else len(probe)))  # a probe's positions are given back
+        logits = _run(model, chunk, caches)
+        notify("document", caches)
+        if probe and not last:
+            with phases.probe(caches):
+                _run(model, probe, caches)
+                notify("probe", caches)
+            mx.eval([c.state for c in caches])
+            notify("probe_dropped", caches)
+    if instruction:
+        phases.tell(caches, Phase.INSTRUCTION)
+        positions.make_room(len(instruction) + max_new_tokens)
+        for begin in range(0, len(instruction), chunk_size):
+            logits = _run(model, instruction[begin : begin + chunk_size], caches)
+            notify("instruction", caches)
+    mx.eval(logits)  # before decode begins: the last prompt token sees everything held
+    phases.tell(caches, Phase.DECODE)
+    mx.eval([c.state for c in caches])
+    return logits
+
+
+def _run(model, tokens: list[int], caches: list) -> mx.array:
+    """One model call; evaluates the caches, leaves the logits lazy (only the last call's are needed)."""
+    logits = model(mx.array(tokens)[None], cache=caches)[:, -1, :]
+    mx.eval([c.state for c in caches])
+    return logits
+
+
+class _Positions:
+    """Keeps every position the model sees inside its context, re-rotating held keys when needed."""
+
+    def __init__(self, model, caches: list, context_length: Optional[int]):
+        self.model = model
+        self.context = context_length or model_context(model)
+        self.movable = [c for c in phases.leaves(caches) if callable(getattr(c, "compact_positions", None))]
+        self.shift: Optional[RotaryShift] = None
+
+    def make_room(self, upcoming: int) -> None:
+        """Before ``upcoming`` more positions: compact the held ones if they would pass the context."""
+        if self.context is None or not self.movable:
+            return
+        if not self._over(upcoming):
+            return
+        if self.shift is None:
+            self.shift = RotaryShift.from_model(self.model)
+        for cache in self.movable:
+            cache.compact_positions(self.shift)
+        if self._over(upcoming):
+            need = max(c.offset for c in self.movable) + upcoming
+            raise ContextError(
+                f"context_length: {self.context} positions cannot hold the budget plus a chunk and its probe, "
+                f"or the instruction and the tokens to generate ({need}); lower the budget, chunk_size or max_tokens"
+            )
+
+    def _over(self, upcoming: int) -> bool:
+        return any(c.offset + upcoming > self.context for c in self.movable)
