@@ -12,20 +12,18 @@ one batch (``velox_cache.generation.decode``) with the same outputs as alone.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import mlx.core as mx
 
-import velox_cache
 from velox_cache import KVCacheBuilder, KVCacheConfig, prefill_phases, snapshot
 from velox_cache.cache.accounting import layer_stats
 from velox_cache.generation.batching import BatchUnsupported
 from velox_cache.generation.decode import DecodeRow, decode_rows
 from velox_cache.generation.forcing import feed_together
-from velox_cache.kernels.observe import can_route
+from velox_cache.generation.routing import attention_routing
 
 from .prompting import Prompt
 from .reference import Reference
@@ -75,19 +73,6 @@ class GenerationResult:
         kept = sum(row["kept_bytes"] for row in self.layer_stats)
         full = sum(row["full_seq_bytes"] for row in self.layer_stats)
         return {"kept_bytes": kept, "full_seq_bytes": full, "compression_ratio": full / kept if kept else None}
-
-
-def _observation(model, config: KVCacheConfig):
-    """Every variant runs on Velox attention; observed scoring also lets the caches see the queries.
-
-    A model that computes attention by hand (gemma2) cannot be routed: it runs
-    on its own attention, with the key proxy, unless observed scoring was asked for.
-    """
-    if config.method != "full" and config.scoring == "observed":
-        return velox_cache.observe(model)
-    if not can_route(model):
-        return contextlib.nullcontext()
-    return velox_cache.fast_attention(model)
 
 
 @dataclass
@@ -154,7 +139,7 @@ def prefill_variant(
     sampler = TokenChoice(settings, prompt_tokens)
     mx.clear_cache()
     mx.reset_peak_memory()
-    with _observation(model, config):
+    with attention_routing(model, [config]):
         start = time.perf_counter()
         logits = prefill_phases(
             model,
@@ -189,7 +174,7 @@ def generate_together(model, tokenizer, runs: list[PrefilledVariant], *, batch: 
     """
     if batch and len(runs) > 1:
         mx.reset_peak_memory()
-    with _observation_for_all(model, [run.config for run in runs]):
+    with attention_routing(model, [run.config for run in runs]):
         decode_rows(model, [run.row for run in runs], batch=batch)
     decode_peak = mx.get_peak_memory()
     forced = [run for run in runs if run.reference is not None]
@@ -201,19 +186,13 @@ def _teacher_force_runs(model, runs: list[PrefilledVariant]) -> list[Fidelity]:
     """Each run's snapshot fed its reference, all in one batched call (``teacher_force_together``)."""
     if not runs:
         return []
-    with _observation_for_all(model, [run.config for run in runs]):
+    with attention_routing(model, [run.config for run in runs]):
         fidelities = teacher_force_together(
             model, [(run.prefill_end, run.first_logprobs, run.reference, run.row.sampler) for run in runs]
         )
     for run in runs:
         run.prefill_end = None
     return fidelities
-
-
-def _observation_for_all(model, configs: list):
-    """One routing context for rows of any variants: observing when any of them scores by observation."""
-    observed = [c for c in configs if c.method != "full" and c.scoring == "observed"]
-    return _observation(model, observed[0] if observed else configs[0])
 
 
 def _finish(tokenizer, run: PrefilledVariant, decode_peak: int, fidelity: Optional[Fidelity]) -> GenerationResult:

@@ -47,7 +47,8 @@ def drive(cache, chunks, decode_steps, scoring, check):
         values = mx.random.normal((B, H, n_new, D))
         kept_before = cache.tokens_kept
         out_keys, out_values = _scored(cache, keys, values, scoring)
-        mx.eval(out_keys, out_values, cache.state)
+        # as mlx_lm.generate_step: the state is evaluated after each prompt chunk, never while decoding
+        mx.eval(out_keys, out_values, *(cache.state if n_new > 1 else []))
         offset += n_new
         check(cache, n_new, keys, out_keys, kept_before, offset)
 
@@ -64,14 +65,17 @@ def test_offset_budget_and_returned_keys(method, scoring):
             assert out_keys.shape[2] == kept_before + n_new
             assert mx.array_equal(out_keys[:, :, -n_new:], keys), "new tokens last, in order"
         else:
-            assert out_keys.shape[2] <= cache.layer_budget
             assert (mx.abs(out_keys - keys).sum(axis=-1) == 0).any(axis=-1).all(), "new token returned"
-        if cache.eviction == "continuous" or n_new == 1:
+            singles = offset - sum(chunks)  # single-token calls so far: the first is the prompt's last token
+            assert cache.progress.prefilling == (singles == 1), "decoding starts at the first generated token"
+        if cache.eviction == "continuous" or not cache.progress.prefilling:
+            assert out_keys.shape[2] <= cache.layer_budget or n_new > 1
             assert cache.tokens_kept <= cache.layer_budget
         held = cache.positions[..., : cache.tokens_kept]
         assert ((held == 0).any(axis=-1) & (held == 1).any(axis=-1)).all(), "sinks never evicted"
 
-    drive(cache, [10, 17, 30, 5], 40, scoring, check)
+    chunks = [10, 17, 30, 5]
+    drive(cache, chunks, 40, scoring, check)
 
 
 def _kept_arrays(part, name="cache"):
@@ -229,6 +233,8 @@ def test_squeeze_measures_the_whole_prompt_and_publishes_once(tiny_model, scorin
         for step in range(5):
             token = mx.argmax(model(token[None], cache=caches)[:, -1], axis=-1)
             if step == 0:
+                assert not coordinator.published, "the prompt's last token is still the prompt's"
+            if step == 1:  # the first generated token ends prefill
                 schedule = list(coordinator.budgets)
         assert coordinator.budgets == schedule, "frozen after publication"
     assert sum(schedule) == 48 * len(caches) and len(set(schedule)) > 1

@@ -12,8 +12,9 @@ told, a running probe) in ``velox_cache.cache.phases.LayerPhase``. Scoring (the
 observed attention or the key proxy) is ``velox_cache.cache.scoring``.
 
 Prefill phases are told by the caller; a cache that is never told one infers
-the end of prefill from the first single-token call after tokens were seen
-(what ``mlx_lm.generate_step`` does with the prompt's last token).
+the end of prefill from the call pattern of ``mlx_lm.generate_step``: the first
+single-token call not preceded by a read of ``state`` is the first generated
+token (``LayerPhase.starts_decoding``).
 
 ``offset`` is the position the next token gets. It is the number of tokens
 seen, except after ``compact_positions``: then the held keys were re-rotated
@@ -198,8 +199,8 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
             self._start(keys, values)
         if n_new > 1:
             self._check_shared_mask(n_new)
-        if n_new == 1 and progress.prefilling and self.slots.offset > 0 and progress.told is None:
-            self._end_prefill()  # never told: the prompt's last token, as mlx_lm.generate feeds it
+        if progress.starts_decoding(n_new, self.slots.offset):
+            self._end_prefill()  # never told: the first generated token, as mlx_lm.generate feeds it
         document_chunk = self.progress.in_document_chunk
         self._select_if_due()
         slots = self.slots  # bound only now: a selection above may have pooled the heads into new slots
@@ -245,6 +246,8 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
 
     @property
     def state(self):
+        """Every array held. A read marks the sequence as still in its prompt (``LayerPhase.starts_decoding``)."""
+        self.progress.state_read = True
         arrays = self.slots.arrays + self.selector.arrays + self.allocation.arrays
         if self.progress.probe_scores is not None:
             arrays.append(self.progress.probe_scores)

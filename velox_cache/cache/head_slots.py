@@ -258,9 +258,19 @@ class HeadPooledSlots(TokenSlots):
         return keep
 
     def replace_lowest(self, keys: mx.array, values: mx.array, budget: int) -> None:
-        """Write one decode token ``[1, H, 1, D]`` into each head's own lowest-ranked slot."""
-        ranking = mx.where(self.membership(self.stored), self.protected_ranking(budget)[0, 0][None, :], mx.inf)
-        victims = mx.argmin(ranking, axis=-1)[None, None]  # [1, 1, H]
+        """Write one decode token ``[1, H, 1, D]`` into each head's own lowest-ranked slot.
+
+        A head whose every slot is protected (its share at most ``n_sink +
+        recent``) gives up its oldest non-sink token, as its recent window
+        slides; a head holding only sinks, its newest sink. Never another head's slot.
+        """
+        members = self.membership(self.stored)  # [H, T]
+        ranking = mx.where(members, self.protected_ranking(budget)[0, 0][None, :], mx.inf)
+        positions = self.held_positions()[0, 0].astype(mx.float32)[None, :]
+        sink = positions < self.n_sink
+        oldest = mx.where(members, mx.where(sink, -positions + 2.0 * (self.offset + 1), positions), mx.inf)
+        unprotected = mx.min(ranking, axis=-1) < mx.inf  # [H]
+        victims = mx.where(unprotected, mx.argmin(ranking, axis=-1), mx.argmin(oldest, axis=-1))[None, None]  # [1, 1, H]
         self.replace(victims, keys.reshape(1, 1, self.n_heads, -1), values.reshape(1, 1, self.n_heads, -1), self.offset)
 
     def compact(self, shift) -> None:

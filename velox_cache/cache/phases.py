@@ -73,6 +73,9 @@ class ProbeMark:
         slots.offset, slots.tokens_seen = self.offset, self.tokens_seen
 
 
+PROMPT_SINGLES = 2  # single-token prompt calls mlx-lm can make after a chunk: a one-token remainder, the last token
+
+
 class LayerPhase:
     """Where one layer's sequence is: prefilling or decoding, the phase told last, and a running probe."""
 
@@ -81,6 +84,37 @@ class LayerPhase:
         self.told: Optional[Phase] = None  # None: never told (the end of prefill is inferred)
         self.probe: Optional[ProbeMark] = None
         self.probe_scores = None  # [B, H, held before the probe]: the probe's pooled ranking
+        self.state_read = False  # the cache's ``state`` was read since its last call (``starts_decoding``)
+        self.singles_since_chunk = 0  # single-token calls since the last multi-token one
+
+    def starts_decoding(self, n_new: int, seen: int) -> bool:
+        """Never told: does this call of ``n_new`` tokens, after ``seen`` tokens, start decoding?
+
+        ``mlx_lm.generate_step`` feeds all but the prompt's last token in chunks
+        (the last of them can be one token long), reading every cache's
+        ``state`` after each, then the last token alone, then the generated
+        tokens, with no read of the state in between. So a single-token call
+        is still the prompt's when the state was read since the previous call
+        (at most ``PROMPT_SINGLES`` in a row after a chunk: the one-token
+        remainder and the last token), and the first generated token when it
+        was not: prefill ends there, its selection seeing every prompt token,
+        as when ``decode`` is told after the prompt. A caller that never reads
+        the state starts decoding at its first single-token call; one that reads
+        it after every call, at its third.
+        """
+        if n_new > 1:
+            self.singles_since_chunk = 0
+            self.state_read = False
+            return False
+        starts = (
+            self.prefilling
+            and self.told is None
+            and seen > 0
+            and (not self.state_read or self.singles_since_chunk >= PROMPT_SINGLES)
+        )
+        self.singles_since_chunk += 1
+        self.state_read = False
+        return starts
 
     @property
     def current(self) -> Optional[Phase]:

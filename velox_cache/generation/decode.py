@@ -15,7 +15,6 @@ the rows' seconds add up to the wall time of the batch.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence, Union
@@ -24,9 +23,10 @@ import mlx.core as mx
 
 from ..builder import KVCacheBuilder
 from ..config import KVCacheConfig
-from ..kernels.observe import can_route, fast_attention, observe
+from ..kernels.observe import can_route
 from .batching import BatchUnsupported, batch_layers
 from .prefill import prefill_phases
+from .routing import attention_routing
 from .sampling import TokenSampler
 from .snapshot import restore, snapshot
 
@@ -254,7 +254,7 @@ def batch_generate(
     TokenSampler(**sampling)  # unknown keywords fail here, before any prefill
     eos = frozenset(tokenizer.eos_token_ids)
     rows: list[DecodeRow] = []
-    with _routing(model, config):
+    with attention_routing(model, [config]):
         for start in range(0, len(prompts), batch_size):
             group = []
             for tokens, seed in zip(prompts[start : start + batch_size], seeds[start : start + batch_size]):
@@ -277,10 +277,3 @@ def batch_generate(
         batch_sizes=[row.batch_size for row in rows],
     )
 
-
-def _routing(model, config: KVCacheConfig):
-    if not can_route(model):
-        return contextlib.nullcontext()
-    if config.method != "full" and config.scoring in ("observed", None):
-        return observe(model)
-    return fast_attention(model)

@@ -157,8 +157,8 @@ def test_adaptive_heads_hold_what_uniform_heads_hold_and_keep_their_counts_while
     assert all(c.offset == len(tokens) + 5 for c in adaptive)
 
 
-def test_pooled_heads_from_a_prefill_end_inferred_from_the_last_token(tiny_model):
-    """``mlx_lm.generate`` tells no phases: prefill ends at the prompt's last token, which pools the heads."""
+def test_pooled_heads_from_a_prefill_end_inferred_from_the_first_generated_token(tiny_model):
+    """``mlx_lm.generate`` tells no phases: prefill ends at the first generated token, which pools the heads."""
     from pipeline.generation import prefill
 
     model, _ = tiny_model
@@ -168,7 +168,8 @@ def test_pooled_heads_from_a_prefill_end_inferred_from_the_last_token(tiny_model
         config = KVCacheConfig(method="snapkv", budget=BUDGET, scoring="observed", head_budgets=heads, head_floor=1.0)
         stacks[heads] = KVCacheBuilder.for_model(model, config)
         with velox_cache.observe(model):
-            logits[heads] = prefill(model, tokens, stacks[heads], 16)
+            first = prefill(model, tokens, stacks[heads], 16)
+            logits[heads] = model(mx.argmax(first, axis=-1)[None], cache=stacks[heads])[:, -1]
     assert all(c.slots.heads_pooled and c.tokens_kept == BUDGET for c in stacks["adaptive"])
     assert mx.allclose(logits["adaptive"], logits["uniform"], atol=1e-4, rtol=1e-4).item()
 
@@ -221,3 +222,36 @@ def test_rows_with_pooled_heads_decode_alone_beside_a_batch_and_give_the_same_to
     assert [row.tokens for row in together] == [row.tokens for row in alone]
     assert "per-head" in together[0].caches[0].batch_refusal()
 
+
+def _pooled_at_budget(positions_by_head, offset, n_sink, recent):
+    """Pooled slots of one sequence at budget, head h holding the tokens at ``positions_by_head[h]``."""
+    n_heads = len(positions_by_head)
+    slots = HeadPooledSlots(CumulativeMass, n_sink, recent, n_heads, floor=0.0)
+    positions = [p for head in positions_by_head for p in head]
+    heads = [h for h, head in enumerate(positions_by_head) for _ in head]
+    slots.keys = mx.arange(len(positions) * 4, dtype=mx.float32).reshape(1, 1, len(positions), 4)
+    slots.values = slots.keys * 2
+    slots.scores = mx.arange(len(positions), dtype=mx.float32)[None, None] + 1
+    slots.positions = mx.array(positions, mx.int32)[None, None]
+    slots.heads = mx.array(heads, mx.int32)
+    slots.stored, slots.offset, slots.tokens_seen = len(positions), offset, offset
+    return slots
+
+
+def test_a_head_whose_slots_are_all_protected_writes_into_its_own_slot():
+    # budget 3 per head: recent = min(2, 3 - 1 - 1) = 1 protects position 9; n_sink 1 protects position 0.
+    # Head 1 holds only position 0 (a sink) and 9 (the recent window): every slot of it is protected.
+    slots = _pooled_at_budget([[0, 1, 2, 9], [0, 9]], offset=10, n_sink=1, recent=2)
+    assert slots.at_budget(3)
+    before_keys = slots.keys
+    new = mx.concatenate([mx.full((1, 1, 1, 4), -1.0), mx.full((1, 1, 1, 4), -2.0)], axis=1)  # head 0: -1s, head 1: -2s
+    slots.replace_lowest(new, new, budget=3)
+    heads, positions = slots.heads.tolist(), slots.positions[0, 0].tolist()
+    assert heads == [0, 0, 0, 0, 1, 1], "slots keep their heads"
+    written = {slot for slot in range(6) if slots.keys[0, 0, slot, 0].item() < 0}
+    head_of = {slot: heads[slot] for slot in written}
+    assert sorted(head_of.values()) == [0, 1], f"each head wrote exactly one of its own slots, got {head_of}"
+    assert slots.keys[0, 0, 0].tolist() == before_keys[0, 0, 0].tolist(), "head 0's sink is untouched"
+    assert positions[4] == 0, "head 1 keeps its sink; its oldest non-sink token (the recent one) made room"
+    assert positions[5] == 10 and slots.keys[0, 0, 5, 0].item() == -2.0
+    assert positions[1] == 10 and slots.keys[0, 0, 1, 0].item() == -1.0, "head 0 replaced its lowest-ranked slot"

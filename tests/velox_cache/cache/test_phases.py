@@ -114,3 +114,57 @@ def test_plain_mlx_caches_ignore_phases():
     phases.tell([plain], "decode")
     assert not phases.wants_probe([plain, KVCacheFactory.create(KVCacheConfig(method="pyramidkv"))])
     assert phases.wants_probe([KVCacheFactory.create(KVCacheConfig(method="pyramidkv", eviction="streaming"))])
+
+
+def _told_like_generate_step(model, prompt, caches, step, max_tokens):
+    """``mlx_lm.generate_step``'s very calls (all but the last token in chunks, then the last alone), phases told."""
+    tokens = mx.array(prompt)
+    phases.tell(caches, "document")
+    for start in range(0, len(prompt) - 1, step):
+        model(tokens[None, start : min(start + step, len(prompt) - 1)], cache=caches)
+        mx.eval([c.state for c in caches])
+    logits = model(tokens[None, -1:], cache=caches)[:, -1]
+    phases.tell(caches, "decode")
+    out = []
+    for _ in range(max_tokens):
+        token = mx.argmax(logits, axis=-1)
+        out.append(token.item())
+        logits = model(token[None], cache=caches)[:, -1]
+    return out
+
+
+@pytest.mark.parametrize("method", ["snapkv", "pyramidkv"])
+@pytest.mark.parametrize("remainder", [0, 1, 2])
+def test_mlx_lm_generate_step_ends_prefill_where_told_phases_do(tiny_model, method, remainder):
+    """Never told, ``generate_step``'s prompt ends where it is told to; lengths ≡ 0, 1, 2 (mod the step).
+
+    Length ≡ 2 makes mlx-lm feed a one-token chunk before the prompt's last token.
+    """
+    from mlx_lm.generate import generate_step
+
+    model, tokenizer = tiny_model
+    step, max_tokens = 16, 6
+    prompt = tokenizer.encode("Inferred phases must match told ones, token for token. " * 6)[: 3 * step + remainder]
+    config = KVCacheConfig(method=method, budget=20, scoring="key_proxy")
+    told = KVCacheBuilder.for_model(model, config)
+    expected = _told_like_generate_step(model, prompt, told, step, max_tokens)
+    inferred = KVCacheBuilder.for_model(model, config)
+    got = [t for t, _ in generate_step(mx.array(prompt), model, prompt_cache=inferred, prefill_step_size=step,
+                                        max_tokens=max_tokens)]
+    assert got == expected
+    assert [c.phase for c in inferred] == [None] * len(inferred), "never told"
+    assert _kept_positions(inferred) == _kept_positions(told), "the same tokens kept, last prompt token included"
+
+
+def test_a_caller_that_reads_the_state_after_every_call_still_starts_decoding():
+    """The state read only keeps mlx-lm's one-token remainder and last token in the prompt: two calls at most."""
+    cache = KVCacheFactory.create(KVCacheConfig(method="snapkv", budget=16, scoring="key_proxy"))
+    keys = mx.random.normal((1, 2, 40, 16))
+    cache.update_and_fetch(keys, keys)
+    prefilling = []
+    for _ in range(4):
+        mx.eval(cache.state)
+        one = mx.random.normal((1, 2, 1, 16))
+        cache.update_and_fetch(one, one)
+        prefilling.append(cache.progress.prefilling)
+    assert prefilling == [True, True, False, False] and cache.tokens_kept == 16
