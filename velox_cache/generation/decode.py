@@ -157,42 +157,76 @@ def _decode_together(model, rows: list[DecodeRow], pipelined: bool) -> None:
     start = time.perf_counter()
     try:  # nothing of the rows' own caches is touched before the first step has run
         layers = batch_layers([row.caches for row in in_batch])
-        logits = model(mx.array([[row.pending] for row in in_batch]), cache=layers)[:, -1, :]
-        if not all(layer.attended for layer in layers):
-            raise BatchUnsupported("the model's attention did not reach the batched caches (not routable)")
+        logits = _batched_step(model, layers, mx.array([[row.pending] for row in in_batch]))[0]
     except BatchUnsupported:
         return  # each row decodes alone from its pending token
     while in_batch:
         if logits is None:
-            logits = model(mx.array([[row.pending] for row in in_batch]), cache=layers)[:, -1, :]
+            try:
+                logits = _batched_step(model, layers, mx.array([[row.pending] for row in in_batch]))[0]
+            except BatchUnsupported:  # the layers are as before the step: each row goes on alone
+                _leave(layers, range(len(in_batch)))
+                return
         for index, row in enumerate(in_batch):
             row.pending = None
             row.logprobs = row.sampler.logprobs(logits[index : index + 1])
         chosen, values = _sample_together(in_batch)
         mx.async_eval(chosen, values, *[layer.scores for layer in layers])
-        logits, saved = None, None
+        logits, ahead, alone = None, None, False
         if pipelined and not any(row.stops_after_next for row in in_batch):
-            saved = [layer.checkpoint() for layer in layers]
-            logits = model(chosen[:, None], cache=layers)[:, -1, :]  # built while this step computes
+            try:
+                logits, ahead = _batched_step(model, layers, chosen[:, None])  # built while this step computes
+            except BatchUnsupported:  # the layers are as before it: the rows go on alone after this step
+                alone = True
         _take_together(in_batch, chosen, values)
         _share(in_batch, time.perf_counter() - start)
         start = time.perf_counter()
         finished = [i for i, row in enumerate(in_batch) if row.done]
-        if saved is not None and finished:  # a row stopped at EOS: undo the step built ahead
-            for layer, checkpoint in zip(layers, saved):
-                layer.restore(checkpoint)
+        if ahead is not None and finished:  # a row stopped at EOS: undo the step built ahead
+            _restore(layers, ahead)
             logits = None
-        saved = None  # gone before the step ahead is evaluated, so its buffers update in place
+        ahead = None  # gone before the step ahead is evaluated, so its buffers update in place
+        if alone:
+            _leave(layers, range(len(in_batch)))
+            return
         if not finished:
             continue
-        for layer in layers:
-            for index in finished:
-                layer.extract(index)
+        _leave(layers, finished)
         remaining = [i for i, row in enumerate(in_batch) if not row.done]
         in_batch = [in_batch[i] for i in remaining]
         if in_batch:
             for layer in layers:
                 layer.keep_rows(remaining)
+
+
+def _batched_step(model, layers: list, tokens: mx.array) -> tuple[mx.array, list]:
+    """One model call on the batched ``layers``: ``(logits [B, V], the layers' checkpoints before it)``.
+
+    A ``BatchUnsupported`` raised by any layer, or attention that did not reach
+    them, leaves every layer as it was before the call, and is raised.
+    """
+    checkpoints = [layer.checkpoint() for layer in layers]
+    try:
+        logits = model(tokens, cache=layers)[:, -1, :]
+        if not all(layer.attended for layer in layers):
+            raise BatchUnsupported("the model's attention did not reach the batched caches (not routable)")
+    except BatchUnsupported:
+        _restore(layers, checkpoints)
+        raise
+    return logits, checkpoints
+
+
+def _restore(layers: list, checkpoints: list) -> None:
+    for layer, checkpoint in zip(layers, checkpoints):
+        layer.restore(checkpoint)
+
+
+def _leave(layers: list, indices) -> None:
+    """Rows ``indices`` leave the batch: each writes its state back into its own caches."""
+    indices = list(indices)
+    for layer in layers:
+        for index in indices:
+            layer.extract(index)
 
 
 def _share(rows: list[DecodeRow], seconds: float, batched: bool = True) -> None:

@@ -193,3 +193,26 @@ def test_a_batch_refuses_multi_token_calls_and_trimming(tiny_model):
     keys = mx.zeros((len(rows), layer.keys.shape[1], 2, layer.keys.shape[3]))
     with velox_cache.fast_attention(model), pytest.raises(BatchUnsupported, match="one token per row"):
         layer.update_and_fetch(keys, keys)
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_batch_that_cannot_go_on_after_some_steps_leaves_every_row_where_decoding_alone_would(
+    tiny_model, monkeypatch, pipelined
+):
+    """A ``BatchUnsupported`` in a later step (in a middle layer): the rows go on alone, nothing out of step."""
+    model, _ = tiny_model
+    configs = _configs(POLICY_CONFIGS["pyramidkv"], "observed")
+    alone = _decode(model, configs, batch=False)
+    original, calls = BatchedLayer.update_and_fetch, {"n": 0}
+
+    def failing_on_the_third_step(self, keys, values):
+        if self.layer == 1:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise BatchUnsupported("injected: this step cannot batch")
+        return original(self, keys, values)
+
+    monkeypatch.setattr(BatchedLayer, "update_and_fetch", failing_on_the_third_step)
+    together = _decode(model, configs, batch=True, pipelined=pipelined)
+    assert calls["n"] == 3, "the batch ran two steps, then the rows went on alone"
+    _assert_same(alone, together)
