@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from velox_cache import KVCacheBuilder, KVCacheConfig, prefill_phases, snapshot
 from velox_cache.cache.accounting import layer_stats
@@ -83,7 +84,7 @@ class PrefilledVariant:
     config: KVCacheConfig
     prompt_tokens: int
     prefill_seconds: float
-    prefill_peak_bytes: int
+    prefill_peak_bytes: int  # its own prefill's peak above what the process held when it started
     first_logprobs: mx.array
     reference: Optional[Reference] = None
     prefill_end: Optional[list] = None  # a snapshot of the caches when prefill ended (for teacher forcing)
@@ -137,7 +138,9 @@ def prefill_variant(
     prompt_tokens = prompt.tokens
     caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(prompt_tokens))
     sampler = TokenChoice(settings, prompt_tokens)
+    mx.synchronize()  # nothing of other documents still computing
     mx.clear_cache()
+    held_before = mx.get_active_memory()  # the weights, and whatever other documents' rows hold now
     mx.reset_peak_memory()
     with attention_routing(model, [config]):
         start = time.perf_counter()
@@ -158,7 +161,7 @@ def prefill_variant(
         config,
         prompt_tokens=len(prompt_tokens),
         prefill_seconds=prefill_seconds,
-        prefill_peak_bytes=mx.get_peak_memory(),
+        prefill_peak_bytes=mx.get_peak_memory() - held_before,
         first_logprobs=first_logprobs,
         reference=reference,
         prefill_end=snapshot(caches) if reference is not None else None,
@@ -168,18 +171,32 @@ def prefill_variant(
 def generate_together(model, tokenizer, runs: list[PrefilledVariant], *, batch: bool = True) -> list[GenerationResult]:
     """Decode prefilled variants (together when ``batch``, see ``velox_cache.generation.decode``), then finish each.
 
-    Each result is what decoding it alone gives (tokens, accounting); its
-    ``decode_seconds`` is its share of the batch's steps, ``peak_memory_bytes``
-    the larger of its prefill's peak and the batch's decode peak.
+    Each result is what decoding it alone gives (tokens, accounting, and
+    ``peak_memory_bytes``: see ``peak_memory``); its ``decode_seconds`` is its
+    share of the batch's steps.
     """
-    if batch and len(runs) > 1:
-        mx.reset_peak_memory()
     with attention_routing(model, [run.config for run in runs]):
         decode_rows(model, [run.row for run in runs], batch=batch)
-    decode_peak = mx.get_peak_memory()
+    weights = weights_bytes(model)
     forced = [run for run in runs if run.reference is not None]
     fidelities = dict(zip(map(id, forced), _teacher_force_runs(model, forced)))
-    return [_finish(tokenizer, run, decode_peak, fidelities.get(id(run))) for run in runs]
+    return [_finish(tokenizer, run, weights, fidelities.get(id(run))) for run in runs]
+
+
+def weights_bytes(model) -> int:
+    """Bytes of the model's parameters, as held."""
+    return sum(array.nbytes for _, array in tree_flatten(model.parameters()))
+
+
+def peak_memory(weights: int, prefill_peak: int, held_after_decode: int) -> int:
+    """One document x variant's peak memory, whatever was decoding beside it and wherever it sat in a batch.
+
+    The model's ``weights``, plus the larger of its own prefill's peak above
+    what the process held when that prefill started (its caches, activations
+    and attention scores; other documents' rows excluded) and the bytes its
+    caches hold when decoding ends (measured from the arrays).
+    """
+    return weights + max(prefill_peak, held_after_decode)
 
 
 def _teacher_force_runs(model, runs: list[PrefilledVariant]) -> list[Fidelity]:
@@ -195,15 +212,16 @@ def _teacher_force_runs(model, runs: list[PrefilledVariant]) -> list[Fidelity]:
     return fidelities
 
 
-def _finish(tokenizer, run: PrefilledVariant, decode_peak: int, fidelity: Optional[Fidelity]) -> GenerationResult:
+def _finish(tokenizer, run: PrefilledVariant, weights: int, fidelity: Optional[Fidelity]) -> GenerationResult:
     row = run.row
+    held = sum(getattr(cache, "nbytes", 0) for cache in row.caches)
     return GenerationResult(
         output=tokenizer.decode(row.tokens),
         prompt_tokens=run.prompt_tokens,
         output_tokens=len(row.tokens),
         prefill_seconds=run.prefill_seconds,
         decode_seconds=row.decode_seconds,
-        peak_memory_bytes=max(run.prefill_peak_bytes, decode_peak),
+        peak_memory_bytes=peak_memory(weights, run.prefill_peak_bytes, held),
         stop_reason=row.stop_reason,
         layer_stats=[_layer_row(i, cache) for i, cache in enumerate(row.caches)],
         token_ids=row.tokens,
