@@ -19,11 +19,37 @@ from .reference import Reference
 
 @dataclass
 class VariantOutcome:
-    """One variant of one document: its generation result, or the error that stopped it."""
+    """One variant of one document: its generation result, or the error that stopped it.
+
+    ``fidelity_note``: why a compressed variant that ran has no teacher-forced fidelity.
+    """
 
     variant: str
     result: Optional[GenerationResult] = None
     error: Optional[str] = None
+    fidelity_note: Optional[str] = None
+
+
+NO_STORED_REFERENCE = "no full-cache output of this prompt: the full variant is not in this job, or not done yet"
+OWN_PROMPT = "its prompt differs from the full variant's (streamed past the model's context)"
+
+
+class References:
+    """Each item's full-cache output that its compressed variants are teacher-forced on, or why there is none."""
+
+    def __init__(self, items: list[WorkItem]):
+        self._reference = {item.index: item.reference for item in items}
+        self._missing = {item.index: None if item.reference is not None else NO_STORED_REFERENCE for item in items}
+
+    def of(self, item: WorkItem) -> tuple[Optional[Reference], Optional[str]]:
+        """``(reference, None)`` or ``(None, why there is none)``."""
+        return self._reference[item.index], self._missing[item.index]
+
+    def made(self, item: WorkItem, reference: Reference) -> None:
+        self._reference[item.index], self._missing[item.index] = reference, None
+
+    def failed(self, item: WorkItem, error: str) -> None:
+        self._reference[item.index], self._missing[item.index] = None, f"the full variant failed: {error}"
 
 
 def execute(model, tokenizer, item: WorkItem) -> list[VariantOutcome]:
@@ -51,7 +77,7 @@ def execute_group(model, tokenizer, items: list[WorkItem]) -> list[list[VariantO
     settings = items[0].generation
     cap = settings.decode_batch_memory_mb * 2**20
     outcomes = {item.index: {} for item in items}
-    references = {item.index: item.reference for item in items}
+    references = References(items)
     names = list(dict.fromkeys(variant.name for item in items for variant in item.variants))
     full = {variant.name for item in items for variant in item.variants if variant.cache.method == "full"}
     names.sort(key=lambda name: name not in full)  # the references first, whichever item comes first
@@ -61,49 +87,72 @@ def execute_group(model, tokenizer, items: list[WorkItem]) -> list[list[VariantO
             variant = next((v for v in item.variants if v.name == name), None)
             if variant is None:
                 continue
-            run = _prefill(model, tokenizer, item, variant, references, outcomes)
-            if run is not None:
-                pending.append((item, variant, run))
-            if len(pending) >= settings.decode_batch_size or sum(r.held_bytes for _, _, r in pending) >= cap:
+            prefilled = _prefill(model, tokenizer, item, variant, references, outcomes)
+            if prefilled is not None:
+                pending.append(prefilled)
+            if len(pending) >= settings.decode_batch_size or sum(p.run.held_bytes for p in pending) >= cap:
                 _decode(model, tokenizer, pending, references, outcomes)
                 pending = []
         _decode(model, tokenizer, pending, references, outcomes)
     return [[outcomes[item.index][variant.name] for variant in item.variants] for item in items]
 
 
-def _prefill(model, tokenizer, item, variant, references, outcomes):
+@dataclass
+class _Prefilled:
+    """One item's variant, prefilled and waiting to decode."""
+
+    item: WorkItem
+    variant: object
+    run: object  # generation.PrefilledVariant
+    fidelity_note: Optional[str]
+
+
+def _prefill(model, tokenizer, item, variant, references: References, outcomes) -> Optional[_Prefilled]:
     is_full = variant.cache.method == "full"
     prompt = item.prompt_for(variant)
     own_prompt = item.streamed is not None and prompt is item.streamed
+    reference, missing = (None, None) if is_full else (None, OWN_PROMPT) if own_prompt else references.of(item)
     try:
-        return prefill_variant(
+        run = prefill_variant(
             model, tokenizer, prompt.tokens, variant.cache, item.generation,
-            reference=None if is_full or own_prompt else references[item.index],
+            reference=reference,
             document_span=(prompt.document_start, prompt.document_end),
         )
     except Exception as exc:  # one bad document must not stop the night's run
-        outcomes[item.index][variant.name] = VariantOutcome(variant.name, error=f"{type(exc).__name__}: {exc}")
-        if is_full:
-            references[item.index] = None
+        _failed(item, variant, f"{type(exc).__name__}: {exc}", references, outcomes)
         return None
+    return _Prefilled(item, variant, run, missing)
 
 
-def _decode(model, tokenizer, pending, references, outcomes) -> None:
+def _decode(model, tokenizer, pending: list[_Prefilled], references: References, outcomes) -> None:
+    """Decode ``pending`` together; when that fails, each again alone (a fresh prefill), so one bad row fails alone."""
     if not pending:
         return
     try:
-        results = generate_together(model, tokenizer, [run for _, _, run in pending])
-    except Exception as exc:  # the batch failed as one: each of its variants failed
-        results = [f"{type(exc).__name__}: {exc}"] * len(pending)
-    for (item, variant, _), result in zip(pending, results):
-        if isinstance(result, str):
-            outcomes[item.index][variant.name] = VariantOutcome(variant.name, error=result)
-            if variant.cache.method == "full":
-                references[item.index] = None
-            continue
-        outcomes[item.index][variant.name] = VariantOutcome(variant.name, result=result)
+        results = generate_together(model, tokenizer, [p.run for p in pending])
+    except Exception as exc:
+        if len(pending) == 1:
+            _failed(pending[0].item, pending[0].variant, f"{type(exc).__name__}: {exc}", references, outcomes)
+            return
+        again = [(p.item, p.variant) for p in pending]
+        pending.clear()  # the failed batch's caches go before the rows are prefilled again
+        for item, variant in again:
+            prefilled = _prefill(model, tokenizer, item, variant, references, outcomes)
+            if prefilled is not None:
+                _decode(model, tokenizer, [prefilled], references, outcomes)
+        return
+    for prefilled, result in zip(pending, results):
+        item, variant = prefilled.item, prefilled.variant
+        note = prefilled.fidelity_note if result.fidelity is None else None
+        outcomes[item.index][variant.name] = VariantOutcome(variant.name, result=result, fidelity_note=note)
         if variant.cache.method == "full":
-            references[item.index] = Reference.of_output(result.token_ids, result.logprobs)
+            references.made(item, Reference.of_output(result.token_ids, result.logprobs))
+
+
+def _failed(item, variant, error: str, references: References, outcomes) -> None:
+    outcomes[item.index][variant.name] = VariantOutcome(variant.name, error=error)
+    if variant.cache.method == "full":
+        references.failed(item, error)
 
 
 def failed_outcomes(item: WorkItem, error: str) -> list[VariantOutcome]:

@@ -58,7 +58,10 @@ def save_outcomes(
                 full_outputs[prompt_hash] = _stored_full_output(store, plan, prompt_hash)
             full = full_outputs[prompt_hash]
             similarity = rouge_l(result.output, full) if full is not None else None
-        row = document_row(plan, entry, run_id, status="done", result=result, rouge_l_vs_full=similarity)
+        row = document_row(
+            plan, entry, run_id, status="done", result=result, rouge_l_vs_full=similarity,
+            fidelity_note=outcome.fidelity_note,
+        )
         store.save_document(row, result.layer_stats)
         if is_full:
             full_outputs[prompt_hash] = result.output

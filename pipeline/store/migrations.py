@@ -274,6 +274,12 @@ def m007_decode_batch_size(db: sqlite_utils.Database) -> None:
     db["documents"].add_column("decode_batch_size", int)
 
 
+@migration
+def m008_fidelity_note(db: sqlite_utils.Database) -> None:
+    """Why a compressed row that was done has no teacher-forced fidelity (its reference failed, is missing, ...)."""
+    db["documents"].add_column("fidelity_note", str)
+
+
 def migrate(db: sqlite_utils.Database, *, transaction: Optional[Callable] = None) -> list[str]:
     """Apply the migrations not yet recorded, each in one transaction; returns the names applied.
 

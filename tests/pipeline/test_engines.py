@@ -211,3 +211,33 @@ def test_a_group_teacher_forces_every_item_even_when_its_first_item_has_no_full_
     first, second = execute_group(*tiny_model, [no_full, with_full])
     assert all(o.result.fidelity is None for o in first)  # no reference: its full output is not here
     assert [o.result.fidelity is not None for o in second] == [False, True, True]
+
+
+def _items(job, tiny_model_dir, texts):
+    spec = load_spec(job())
+    tokenizer, _ = load_tokenizer(str(tiny_model_dir))
+    return [
+        WorkItem(i, f"doc-{i}", list(tokenizer.encode(f"About caches: {text}")), spec.variants, GenerationSpec(max_tokens=5))
+        for i, text in enumerate(texts)
+    ]
+
+
+def test_one_bad_row_fails_alone_and_its_documents_say_why_they_have_no_fidelity(tiny_model, job, tiny_model_dir, monkeypatch):
+    from tests.pipeline import poison
+
+    texts = ["a short document.", f"a {poison.MARK}ed document.", "another document, a little longer."]
+    clean = execute_group(*tiny_model, _items(job, tiny_model_dir, texts))
+    poison.install(monkeypatch)
+    outcomes = execute_group(*tiny_model, _items(job, tiny_model_dir, texts))
+    for index in (0, 2):  # decoded beside the bad row, they are what they are without it
+        for got, expected in zip(outcomes[index], clean[index], strict=True):
+            assert got.error is None and got.result.token_ids == expected.result.token_ids
+            assert got.fidelity_note is None
+            if got.variant != "full":
+                assert got.result.fidelity.agreement == expected.result.fidelity.agreement
+                assert got.result.fidelity.nll_gap == pytest.approx(expected.result.fidelity.nll_gap, abs=1e-5)
+    bad = {o.variant: o for o in outcomes[1]}
+    assert bad["full"].error == "RuntimeError: injected: a poisoned row"
+    for name in ("pyramid", "squeeze"):
+        assert bad[name].error is None and bad[name].result.fidelity is None
+        assert bad[name].fidelity_note == "the full variant failed: RuntimeError: injected: a poisoned row"

@@ -159,6 +159,40 @@ def test_killed_run_resumes_with_nothing_lost_or_doubled(job, tmp_path):
     assert rows(db, "select documents_unchanged + documents_done from runs where id = 2") == [(120,)]
 
 
+def test_killed_while_a_row_of_a_batch_fails_every_other_row_is_stored_once(job, tmp_path):
+    """kill -9 during a run whose batches hold a row that fails (a poisoned full variant), then resume."""
+    from tests.pipeline import poison
+
+    n, bad = 40, "doc-5"
+    texts = [f"Document {i} talks about kv caches and eviction number {i}. " * 2 for i in range(n)]
+    texts[5] = f"Document 5 is {poison.MARK}ed. " * 3
+    pq.write_table(pa.table({"id": [f"doc-{i}" for i in range(n)], "text": texts, "topic": ["caches"] * n}),
+                   tmp_path / "corpus.parquet")
+    path = job({"generation": {"max_tokens": 24}})
+    db = tmp_path / "store.db"
+    command = [sys.executable, "-m", "tests.pipeline.poison", "run", str(path), "-q"]
+    env = {**os.environ, "VELOX_BLAS": "reference"}
+    process = subprocess.Popen(command, cwd=REPO, env=env)
+    wait_until_stored(process, db, 5)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert rows(db, "select count(*), count(distinct doc_key) from documents")[0][0] < 3 * n
+    with sqlite3.connect(db) as conn:  # as if it had been killed long ago
+        conn.execute("update documents set created_at = '2001-01-01T00:00:00+00:00'")
+    resumed = subprocess.run(command, cwd=REPO, env=env)
+    assert resumed.returncode == EXIT_DOCUMENT_FAILED
+    assert rows(db, "select count(*), count(distinct doc_key) from documents") == [(3 * n, 3 * n)]
+    assert rows(db, "select document_id, variant, error from documents where status != 'done'") == [
+        (bad, "full", "RuntimeError: injected: a poisoned row")
+    ]
+    assert rows(db, f"select variant, fidelity_note from documents where document_id = '{bad}' and variant != 'full'") == [
+        ("pyramid", "the full variant failed: RuntimeError: injected: a poisoned row"),
+        ("squeeze", "the full variant failed: RuntimeError: injected: a poisoned row"),
+    ]
+    assert rows(db, "select count(*) from documents where variant != 'full' and agreement_vs_full is null") == [(2,)]
+    assert rows(db, "select count(*) from layer_stats") == [((3 * n - 1) * 4,)]
+
+
 def test_bad_documents_are_stored_with_errors_and_the_run_goes_on(tmp_path, job):
     table = pa.table(
         {
