@@ -1,10 +1,10 @@
 """Ranking signals: what makes one held token worth more than another (higher = keep).
 
 One small class per signal. Each says how many of a call's last query rows it
-needs (``rows``), how it folds their attention mass into the slots' scores
-(``fold``; ``folds`` names it, add or replace, for batched decoding) and what
-the eviction ranking is (``ranking``: the scores, or the positions when
-``by_position``).
+needs (``rows``), how their attention mass combines with the slots' scores
+(``combine``, pure: ``fold`` applies it to one sequence's slots, batched decoding
+to B rows at once) and what the eviction ranking is (``rank``, pure: the scores,
+or the positions; ``ranking`` applies it to the held slots).
 
 Two helpers feed them: ``fold_heads`` sums attention that ran on more heads
 than a cache holds (multi-head latent attention, repeated heads) onto the
@@ -50,62 +50,80 @@ def key_proxy_attention(
     )
 
 
-class CumulativeMass:
+class Signal:
+    """What every signal shares: ``fold`` and ``ranking`` apply its pure ``combine`` and ``rank`` to one sequence's slots."""
+
+    name = ""
+
+    @staticmethod
+    def rows(n_queries: int) -> int:
+        """How many of a call's last query rows the signal needs."""
+        raise NotImplementedError
+
+    @staticmethod
+    def combine(scores: mx.array, mass: mx.array) -> mx.array:
+        """The scores after one call's attention ``mass`` (same shape)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def rank(scores: mx.array, positions: mx.array) -> mx.array:
+        """The eviction ranking of slots with these ``scores`` and ``positions`` (higher = keep): the scores."""
+        return scores
+
+    @classmethod
+    def fold(cls, slots: TokenSlots, mass: mx.array) -> None:
+        slots.combine_scores(mass, cls.combine)
+
+    @classmethod
+    def ranking(cls, slots: TokenSlots) -> mx.array:
+        return cls.rank(slots.held_scores(), slots.held_positions())
+
+
+class CumulativeMass(Signal):
     """H2O: the attention mass every query so far gave a token (heavy hitters)."""
 
     name = "cumulative"
-    folds = "add"  # how ``fold`` combines mass with the scores (batched decoding applies the same)
-    by_position = False  # ``ranking`` is the slots' positions rather than their scores
 
     @staticmethod
     def rows(n_queries: int) -> int:
         return n_queries
 
     @staticmethod
-    def fold(slots: TokenSlots, mass: mx.array) -> None:
-        slots.add_scores(mass)
-
-    @staticmethod
-    def ranking(slots: TokenSlots) -> mx.array:
-        return slots.held_scores()
+    def combine(scores: mx.array, mass: mx.array) -> mx.array:
+        return scores + mass
 
 
-class CurrentAttention:
+class CurrentAttention(Signal):
     """TOVA: the attention of the latest query only (memoryless)."""
 
     name = "current"
-    folds = "replace"
-    by_position = False
 
     @staticmethod
     def rows(n_queries: int) -> int:
         return 1
 
     @staticmethod
-    def fold(slots: TokenSlots, mass: mx.array) -> None:
-        slots.add_scores(mass, replace=True)
-
-    @staticmethod
-    def ranking(slots: TokenSlots) -> mx.array:
-        return slots.held_scores()
+    def combine(scores: mx.array, mass: mx.array) -> mx.array:
+        return mass
 
 
-class Recency:
+class Recency(Signal):
     """StreamingLLM: the later a token's position, the more it is worth; no attention needed."""
 
     name = "recency"
-    folds = None
-    by_position = True
 
     @staticmethod
     def rows(n_queries: int) -> int:
         return 0
 
     @staticmethod
+    def combine(scores: mx.array, mass: mx.array) -> mx.array:
+        return scores
+
+    @staticmethod
     def fold(slots: TokenSlots, mass: mx.array) -> None:
         """Recency needs no attention: nothing to fold."""
 
     @staticmethod
-    def ranking(slots: TokenSlots) -> mx.array:
-        return slots.held_positions().astype(mx.float32)
-
+    def rank(scores: mx.array, positions: mx.array) -> mx.array:
+        return positions.astype(mx.float32)

@@ -32,11 +32,36 @@ from __future__ import annotations
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 
 from ..kernels import attention
 from ..kernels.attend import AttentionResult, attend_and_score
 
 GROWTH_STEP = 256  # buffer growth granularity, as mlx-lm's KVCache
+
+
+# The eviction and growth rules, shared with batched decoding (``velox_cache.generation.batching``),
+# which applies them to B rows at once: counts there are ``[B]`` NumPy arrays or ``[B, 1, 1]`` MLX columns.
+
+
+def recent_limit(recent, budget, n_sink):
+    """The protected recent window at ``budget``: at most ``budget - n_sink - 1``, so one slot can always go."""
+    return np.maximum(0, np.minimum(recent, budget - n_sink - 1))
+
+
+def protect(ranking: mx.array, positions: mx.array, *, n_sink, recent, offset) -> mx.array:
+    """``ranking`` with protected tokens at +inf: the first ``n_sink`` positions and the ``recent`` before ``offset``."""
+    protected = positions < n_sink
+    if isinstance(recent, mx.array):
+        protected = protected | ((recent > 0) & (positions >= offset - recent))
+    elif recent > 0:
+        protected = protected | (positions >= offset - recent)
+    return mx.where(protected, mx.inf, ranking)
+
+
+def decode_capacity(end, budget):
+    """The buffer length after growing for a decode token that ends at ``end``: room up to the budget."""
+    return np.maximum(end, np.minimum(budget, end + GROWTH_STEP))
 
 
 class TokenSlots:
@@ -128,10 +153,14 @@ class TokenSlots:
 
     def add_scores(self, mass: mx.array, replace: bool = False) -> None:
         """Add ``mass`` ``[B, H, N]`` (N <= buffer length) to the first N slots' scores, or replace them."""
+        self.combine_scores(mass, (lambda scores, mass: mass) if replace else mx.add)
+
+    def combine_scores(self, mass: mx.array, combine) -> None:
+        """Scores become ``combine(scores, mass)``, ``mass`` ``[B, H, N]`` padded with zeros to the buffer's length."""
         pad = self.scores.shape[-1] - mass.shape[-1]
         if pad:
             mass = mx.pad(mass, [(0, 0), (0, 0), (0, pad)])
-        self.scores = mass if replace else self.scores + mass
+        self.scores = combine(self.scores, mass)
 
     def spare_for(self, n_new: int, *, budget: int, in_steps: bool) -> int:
         """Empty slots to add when the buffer grows for ``n_new`` tokens, so that the next appends write in place.
@@ -141,7 +170,7 @@ class TokenSlots:
         """
         end = self.stored + n_new
         if n_new == 1:
-            return max(0, min(budget, end + GROWTH_STEP) - end)
+            return int(decode_capacity(end, budget)) - end
         return -end % GROWTH_STEP if in_steps else 0
 
     def append(self, keys: mx.array, values: mx.array, first_position: int, spare: int) -> None:
@@ -224,13 +253,8 @@ class TokenSlots:
 
     def protected_ranking(self, budget: int) -> mx.array:
         """Eviction ranking over the held slots ``[B, H, stored]``; protected tokens rank +inf."""
-        positions = self.held_positions()
-        scores = self.signal.ranking(self)
-        recent = min(self.recent, budget - self.n_sink - 1)
-        protected = positions < self.n_sink
-        if recent > 0:
-            protected = protected | (positions >= self.offset - recent)
-        return mx.where(protected, mx.inf, scores)
+        recent = int(recent_limit(self.recent, budget, self.n_sink))
+        return protect(self.signal.ranking(self), self.held_positions(), n_sink=self.n_sink, recent=recent, offset=self.offset)
 
     def evict_to(self, budget: int) -> Optional[mx.array]:
         """Keep the ``budget`` best-ranked held tokens of every head, in slot order.

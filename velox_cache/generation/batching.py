@@ -28,15 +28,17 @@ shapes or dtypes, multi-token calls, attention that did not reach the layer.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache, _BaseCache
 
 from ..cache.base import EvictingKVCache
-from ..cache.signals import Recency, fold_heads
-from ..cache.slots import GROWTH_STEP
+from ..cache.signals import Recency, Signal, fold_heads
+from ..cache.slots import GROWTH_STEP, decode_capacity, protect, recent_limit
 from ..kernels.attend import attend_and_score
 from ..kernels.observe import is_routed
 
@@ -49,7 +51,7 @@ class BatchUnsupported(ValueError):
 
 @dataclass
 class _Row:
-    """One row's counts and settings for this layer."""
+    """One row's cache for this layer, its counts when it joined and its settings."""
 
     cache: object
     evicting: bool
@@ -81,7 +83,7 @@ class _Row:
         if refusal is not None:
             raise BatchUnsupported(f"layer {layer}: {refusal}")
         slots, budget = cache.slots, cache.layer_budget
-        if getattr(slots.signal, "folds", "") not in ("add", "replace", None):
+        if not issubclass(slots.signal, Signal):
             raise BatchUnsupported(f"layer {layer}: signal {slots.signal.__name__} has no batched form")
         return cls(
             cache,
@@ -92,35 +94,64 @@ class _Row:
             slots.capacity,
             budget=budget,
             n_sink=slots.n_sink,
-            recent=max(0, min(slots.recent, budget - slots.n_sink - 1)),
+            recent=int(recent_limit(slots.recent, budget, slots.n_sink)),
             signal=slots.signal,
             observed=cache.scoring == "observed",
             scale=cache.attention_scale,
         )
 
     @property
-    def at_budget(self) -> bool:
-        return self.evicting and self.stored == self.budget
-
-    @property
     def scores_decode(self) -> bool:
         """True when this row's signal folds each decode step's attention."""
         return self.evicting and self.signal.rows(1) > 0
 
-    def advance(self) -> None:
-        """One token appended (or put in place of the lowest-ranked one): counts and buffer as alone."""
+
+class RowCounts:
+    """Every row's counts for one layer as ``[B]`` NumPy arrays, advanced together (no loop over rows).
+
+    ``stored`` (valid slots), ``offset`` (the next token's position), ``seen``
+    (tokens passed in) and ``capacity`` (the buffer length decoding the row alone
+    would have now: ``TokenSlots``' growth rule, or mlx-lm's ``KVCache``'s for a
+    full row), with each row's ``budget`` and whether it ``evicting``.
+    """
+
+    FIELDS = ("stored", "offset", "seen", "capacity")
+
+    def __init__(self, rows: list[_Row]):
+        self.stored = np.array([row.stored for row in rows], np.int64)
+        self.offset = np.array([row.offset for row in rows], np.int64)
+        self.seen = np.array([row.seen for row in rows], np.int64)
+        self.capacity = np.array([row.capacity for row in rows], np.int64)
+        self.evicting = np.array([row.evicting for row in rows], bool)
+        self.budget = np.array([row.budget if row.evicting else np.iinfo(np.int64).max for row in rows], np.int64)
+
+    def at_budget(self) -> np.ndarray:
+        """``[B]`` bool: rows whose next token replaces a held one."""
+        return self.evicting & (self.stored == self.budget)
+
+    def advance(self, at_budget: np.ndarray) -> None:
+        """One token per row, put in place of a held one (rows ``at_budget``) or appended."""
         self.offset += 1
         self.seen += 1
-        if self.at_budget:
-            self.capacity = self.stored  # TokenSlots.replace trims the buffer to the held slots
-            return
         end = self.stored + 1
-        if end > self.capacity:
-            if self.evicting:  # TokenSlots.spare_for: room up to the budget
-                self.capacity = max(end, min(self.budget, end + GROWTH_STEP))
-            else:  # mlx-lm's KVCache: trimmed to what it holds, then one more step
-                self.capacity = self.stored + FULL_STEP
-        self.stored = end
+        grown = np.where(self.evicting, decode_capacity(end, self.budget), self.stored + FULL_STEP)
+        self.capacity = np.where(at_budget, self.stored, np.where(end > self.capacity, grown, self.capacity))
+        self.stored = np.where(at_budget, self.stored, end)
+
+    def row(self, index: int) -> tuple:
+        """``(stored, offset, seen, capacity)`` of row ``index`` as ints."""
+        return tuple(int(getattr(self, name)[index]) for name in self.FIELDS)
+
+    def keep(self, indices: list[int]) -> None:
+        for name in (*self.FIELDS, "evicting", "budget"):
+            setattr(self, name, getattr(self, name)[indices])
+
+    def copy(self) -> tuple:
+        return tuple(getattr(self, name).copy() for name in self.FIELDS)
+
+    def restore(self, saved: tuple) -> None:
+        for name, value in zip(self.FIELDS, saved):
+            setattr(self, name, value)
 
 
 class HeldRows(NamedTuple):
@@ -167,28 +198,30 @@ class BatchedLayer(_BaseCache):
         self.layer = layer
         held = HeldRows.of(caches, layer)
         self.rows = held.rows
+        self.counts = RowCounts(self.rows)
         self.keys, self.values, self.scores, self.positions = held.keys, held.values, held.scores, held.positions
+        self._offset = mx.array(self.counts.offset, mx.int32)
         self._settings()
         self._valid = None
         self._attended = True
 
     def _settings(self) -> None:
-        """Per-row settings as ``[B, 1, 1]`` arrays for the vectorised steps."""
+        """Per-row settings as ``[B, 1, 1]`` columns, and which rows each signal ranks and folds."""
         rows = self.rows
-        column = _column
-        self._n_sink = column([row.n_sink for row in rows], mx.int32)
-        self._recent = column([row.recent for row in rows], mx.int32)
-        self._by_position = column([row.signal.by_position for row in rows], mx.bool_)
-        self._adds = column([row.scores_decode and row.signal.folds == "add" for row in rows], mx.bool_)
-        self._replaces = column([row.scores_decode and row.signal.folds == "replace" for row in rows], mx.bool_)
-        self._observed = column([row.observed for row in rows], mx.bool_)
+        self._n_sink = _column([row.n_sink for row in rows], mx.int32)
+        self._recent = _column([row.recent for row in rows], mx.int32)
+        self._ranked = _groups(rows, lambda row: row.signal if row.evicting else None)
+        self._folded = {
+            observed: _groups(rows, lambda row: row.signal if row.scores_decode and row.observed == observed else None)
+            for observed in (True, False)
+        }
 
     # ----- mlx-lm cache protocol ----------------------------------------------------------
 
     @property
     def offset(self) -> mx.array:
         """Each row's position for its next token, ``int32 [B]`` (mlx-lm's RoPE takes one per row)."""
-        return mx.array([row.offset for row in self.rows], mx.int32)
+        return self._offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Put each row's one new token in its slot; returns the whole buffers (the layer's mask covers the padding)."""
@@ -204,25 +237,25 @@ class BatchedLayer(_BaseCache):
         if not self._attended:
             raise BatchUnsupported(f"layer {self.layer}: the last call's attention did not reach Velox (not routable)")
         keys, values = keys.astype(self.keys.dtype), values.astype(self.values.dtype)
-        rows = self.rows
-        self._grow_if_full()
-        stored = _column([row.stored for row in rows], mx.int32)  # before this token
-        positions = _column([row.offset for row in rows], mx.int32)  # this token's
-        slot = mx.broadcast_to(stored, (*self.scores.shape[:2], 1))  # the next free slot
-        if any(row.at_budget for row in rows):
-            at_budget = _column([row.at_budget for row in rows], mx.bool_)
-            victim = mx.argmin(self._protected_ranking(stored, positions), axis=-1, keepdims=True)
-            slot = mx.where(at_budget, victim, slot)
+        counts = self.counts
+        at_budget = counts.at_budget()
+        self._grow_if_full(at_budget)
+        stored = _column(counts.stored, mx.int32)  # before this token: the next free slot
+        position = self._offset[:, None, None]  # this token's
+        slot = mx.broadcast_to(stored, (*self.scores.shape[:2], 1))
+        if at_budget.any():
+            victim = mx.argmin(self._protected_ranking(stored, position), axis=-1, keepdims=True)
+            slot = mx.where(_column(at_budget, mx.bool_), victim, slot) if not at_budget.all() else victim
         index = slot[..., None]
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(index, keys.shape), keys, axis=2)
         self.values = mx.put_along_axis(self.values, mx.broadcast_to(index, values.shape), values, axis=2)
         self.scores = mx.put_along_axis(self.scores, slot, mx.array(0.0), axis=-1)
-        self.positions = mx.put_along_axis(self.positions, slot, mx.broadcast_to(positions, slot.shape), axis=-1)
-        for row in rows:
-            row.advance()
-        held = _column([row.stored for row in rows], mx.int32)  # after this token (rows at budget: as before)
-        self._valid = _slot_numbers(self.keys.shape[2]) < held  # [B, 1, T]
-        if any(row.scores_decode and not row.observed for row in rows):
+        self.positions = mx.put_along_axis(self.positions, slot, mx.broadcast_to(position, slot.shape), axis=-1)
+        counts.advance(at_budget)
+        self._offset = self._offset + 1
+        self._valid = _slot_numbers(self.keys.shape[2]) < _column(counts.stored, mx.int32)  # [B, 1, T]
+        if self._folded[False]:
+            rows = self.rows
             scale = next((row.scale for row in rows if row.scale is not None), keys.shape[-1] ** -0.5)
             proxy = attend_and_score(keys, self.keys, None, scale=scale, mask=self._valid[:, :, None], score_rows=1)
             self._fold(proxy.key_mass, observed=False)
@@ -234,7 +267,7 @@ class BatchedLayer(_BaseCache):
         if keys.shape[2] != self.keys.shape[2] or keys.shape[1] != self.keys.shape[1]:
             raise BatchUnsupported(f"layer {self.layer}: attention over keys other than the held ones cannot batch")
         self._attended = True
-        score = any(row.scores_decode and row.observed for row in self.rows)
+        score = bool(self._folded[True])
         result = attend_and_score(
             queries, keys, values, scale=scale, mask=self._valid[:, :, None], sinks=sinks, score_rows=int(score)
         )
@@ -263,95 +296,114 @@ class BatchedLayer(_BaseCache):
         return False
 
     def size(self) -> int:
-        return max(row.stored for row in self.rows)
+        return int(self.counts.stored.max())
 
     @property
     def attended(self) -> bool:
         """False when the last call's attention did not reach ``observe_attention``."""
         return self._attended
 
-    # ----- rows in and out ----------------------------------------------------------------
+    # ----- rows in and out (mlx-lm's BatchKVCache: ``extract``, ``filter``) --------------------
 
     def extract(self, index: int) -> None:
         """Write row ``index``'s state into its own cache, as decoding it alone would have left it."""
         row = self.rows[index]
+        stored, offset, seen, capacity = self.counts.row(index)
         keep = slice(index, index + 1)
-        keys, values = self.keys[keep, :, : row.stored], self.values[keep, :, : row.stored]
+        keys, values = self.keys[keep, :, :stored], self.values[keep, :, :stored]
         if not row.evicting:
             cache = row.cache
-            cache.keys, cache.values = _pad(keys, row.capacity, axis=2), _pad(values, row.capacity, axis=2)
-            cache.offset = row.offset
+            cache.keys, cache.values = _pad(keys, capacity, axis=2), _pad(values, capacity, axis=2)
+            cache.offset = offset
             return
         slots = row.cache.slots
-        slots.keys, slots.values = _pad(keys, row.capacity, axis=2), _pad(values, row.capacity, axis=2)
-        slots.scores = _pad(self.scores[keep, :, : row.stored], row.capacity, axis=2)
-        slots.positions = _pad(self.positions[keep, :, : row.stored], row.capacity, axis=2)
-        slots.stored, slots.offset, slots.tokens_seen = row.stored, row.offset, row.seen
+        slots.keys, slots.values = _pad(keys, capacity, axis=2), _pad(values, capacity, axis=2)
+        slots.scores = _pad(self.scores[keep, :, :stored], capacity, axis=2)
+        slots.positions = _pad(self.positions[keep, :, :stored], capacity, axis=2)
+        slots.stored, slots.offset, slots.tokens_seen = stored, offset, seen
 
-    def keep_rows(self, indices: list[int]) -> None:
-        """Only rows ``indices`` stay in the batch (finished rows leave; extract them first)."""
+    def filter(self, indices: list[int]) -> None:
+        """Only rows ``indices`` stay in the batch (finished rows leave; ``extract`` them first)."""
         self.rows = [self.rows[i] for i in indices]
-        width = max(row.stored for row in self.rows)
+        self.counts.keep(indices)
+        width = int(self.counts.stored.max())
         take = mx.array(indices, mx.int32)
         self.keys, self.values = self.keys[take, :, :width], self.values[take, :, :width]
         self.scores, self.positions = self.scores[take, :, :width], self.positions[take, :, :width]
+        self._offset = self._offset[take]
         self._settings()
 
     def checkpoint(self) -> tuple:
         """What ``restore`` needs to undo the calls made after it: the arrays' handles and the rows' counts.
 
-        Nothing is copied: the layer only ever rebinds its arrays (no in-place
-        writes), so the old handles still hold the old state.
+        Nothing of the buffers is copied: the layer only ever rebinds its arrays
+        (no in-place writes), so the old handles still hold the old state.
         """
-        arrays = (self.keys, self.values, self.scores, self.positions, self._valid, self._attended)
-        return arrays, [(row.stored, row.offset, row.seen, row.capacity) for row in self.rows]
+        arrays = (self.keys, self.values, self.scores, self.positions, self._offset, self._valid, self._attended)
+        return arrays, self.counts.copy()
 
     def restore(self, checkpoint: tuple) -> None:
         """The layer as it was when ``checkpoint()`` returned ``checkpoint`` (same rows)."""
         arrays, counts = checkpoint
-        self.keys, self.values, self.scores, self.positions, self._valid, self._attended = arrays
-        for row, (stored, offset, seen, capacity) in zip(self.rows, counts):
-            row.stored, row.offset, row.seen, row.capacity = stored, offset, seen, capacity
+        self.keys, self.values, self.scores, self.positions, self._offset, self._valid, self._attended = arrays
+        self.counts.restore(counts)
 
-    # ----- mechanics ----------------------------------------------------------------------
+    # ----- mechanics: the slots' rules (``velox_cache.cache.slots``) on B rows at once -----------
 
-    def _grow_if_full(self) -> None:
+    def _grow_if_full(self, at_budget: np.ndarray) -> None:
         """Room for every row that appends: grow the buffers when one of them has no free slot left."""
         width = self.keys.shape[2]
-        appending = [row for row in self.rows if not row.at_budget]
-        if not any(row.stored >= width for row in appending):
+        counts = self.counts
+        appending = ~at_budget
+        if not (appending & (counts.stored >= width)).any():
             return
-        needed = max(min(row.budget, row.stored + GROWTH_STEP) if row.evicting else row.stored + GROWTH_STEP for row in appending)
+        room = np.where(counts.evicting, decode_capacity(counts.stored, counts.budget), counts.stored + GROWTH_STEP)
+        needed = int(room[appending].max())
         self.keys, self.values = _pad(self.keys, needed, axis=2), _pad(self.values, needed, axis=2)
         self.scores, self.positions = _pad(self.scores, needed, axis=2), _pad(self.positions, needed, axis=2)
 
-    def _protected_ranking(self, stored: mx.array, offsets: mx.array) -> mx.array:
-        """``TokenSlots.protected_ranking`` for every row at once (``stored``, ``offsets``: ``[B, 1, 1]``).
+    def _protected_ranking(self, stored: mx.array, position: mx.array) -> mx.array:
+        """``TokenSlots.protected_ranking`` for every row at once (``stored``, ``position``: ``[B, 1, 1]``).
 
-        Padded slots rank +inf: never evicted.
+        Each row's signal ranks its slots; padded slots rank +inf: never evicted.
         """
-        positions = self.positions
-        ranking = mx.where(self._by_position, positions.astype(mx.float32), self.scores)
-        padded = _slot_numbers(positions.shape[-1]) >= stored
-        protected = (positions < self._n_sink) | ((self._recent > 0) & (positions >= offsets - self._recent)) | padded
-        return mx.where(protected, mx.inf, ranking)
+        ranking = _by_group(self._ranked, lambda signal: signal.rank(self.scores, self.positions), self.scores)
+        ranking = protect(ranking, self.positions, n_sink=self._n_sink, recent=self._recent, offset=position)
+        return mx.where(_slot_numbers(self.positions.shape[-1]) >= stored, mx.inf, ranking)
 
     def _fold(self, mass: mx.array, *, observed: bool) -> None:
-        """Fold one step's key mass ``[B, H', T]`` into the scores of the rows scored this way."""
+        """Fold one step's key mass ``[B, H', T]`` into the scores of the rows scored this way, by their signal."""
         mass = fold_heads(mass, self.scores.shape[1]) * self._valid
-        mine = self._observed if observed else ~self._observed
-        self.scores = mx.where(
-            mine & self._adds, self.scores + mass, mx.where(mine & self._replaces, mass, self.scores)
-        )
+        self.scores = _by_group(self._folded[observed], lambda signal: signal.combine(self.scores, mass), self.scores)
 
 
-def _column(values: list, dtype) -> mx.array:
-    """One value per row as ``[B, 1, 1]``, to broadcast over heads and slots."""
-    return mx.array(values, dtype)[:, None, None]
+def _groups(rows: list, key) -> list:
+    """``[(value, rows mask [B, 1, 1] or None for all rows)]`` for each value ``key(row)`` takes (None: left out)."""
+    values = [key(row) for row in rows]
+    groups = []
+    for value in dict.fromkeys(v for v in values if v is not None):
+        mask = [v is value for v in values]
+        groups.append((value, None if all(mask) else _column(mask, mx.bool_)))
+    return groups
 
 
+def _by_group(groups: list, compute, otherwise: mx.array) -> mx.array:
+    """``compute(value)`` on each group's rows, ``otherwise`` on the rest."""
+    result = otherwise
+    for value, mask in groups:
+        computed = compute(value)
+        result = computed if mask is None else mx.where(mask, computed, result)
+    return result
+
+
+def _column(values, dtype) -> mx.array:
+    """One value per row (a list or a NumPy array) as ``[B, 1, 1]``, to broadcast over heads and slots."""
+    return mx.array(np.asarray(values).reshape(-1, 1, 1), dtype)
+
+
+@functools.lru_cache(maxsize=64)
 def _slot_numbers(width: int) -> mx.array:
-    """``0 .. width - 1`` as ``[1, 1, width]``."""
+    """``0 .. width - 1`` as ``[1, 1, width]`` (one array per width, reused)."""
     return mx.arange(width, dtype=mx.int32)[None, None]
 
 

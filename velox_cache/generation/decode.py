@@ -27,7 +27,7 @@ from ..kernels.observe import can_route
 from .batching import BatchUnsupported, batch_layers
 from .prefill import prefill_phases
 from .routing import attention_routing
-from .sampling import TokenSampler
+from .sampling import TokenSampler, log_softmax
 from .snapshot import restore, snapshot
 
 
@@ -135,11 +135,27 @@ def decode_alone(model, row: DecodeRow, *, pipelined: bool = False) -> DecodeRow
     return row
 
 
-def _sample_together(rows: list[DecodeRow]) -> tuple[mx.array, mx.array]:
-    """Each row's next token sampled from its own ``logprobs``, and its log-probability (both ``[B]``, lazy)."""
-    tokens = [row.sampler.sample(row.logprobs) for row in rows]
-    logprobs = [mx.take_along_axis(row.logprobs, token[:, None], axis=-1)[:, 0] for row, token in zip(rows, tokens)]
-    return mx.concatenate(tokens), mx.concatenate(logprobs)
+def _logprobs_together(rows: list[DecodeRow], logits: mx.array) -> mx.array:
+    """``[B, V]``: each row's next-token log-probabilities from ``logits`` ``[B, V]``, its processors applied.
+
+    One normalisation for the batch unless a row has logits processors (a repetition
+    penalty reads the row's own history): those rows are processed one by one.
+    """
+    if not any(row.sampler.processors for row in rows):
+        return log_softmax(logits)
+    return mx.concatenate([row.sampler.logprobs(logits[i : i + 1]) for i, row in enumerate(rows)], axis=0)
+
+
+def _sample_together(rows: list[DecodeRow], logprobs: mx.array) -> tuple[mx.array, mx.array]:
+    """Each row's next token drawn from its row of ``logprobs`` ``[B, V]``, and its log-probability (both ``[B]``, lazy).
+
+    Greedy rows take one argmax for the batch; a sampled row draws with its own key.
+    """
+    if all(row.sampler.temperature == 0 for row in rows):
+        chosen = mx.argmax(logprobs, axis=-1)
+    else:
+        chosen = mx.concatenate([row.sampler.sample(logprobs[i : i + 1]) for i, row in enumerate(rows)])
+    return chosen, mx.take_along_axis(logprobs, chosen[:, None], axis=-1)[:, 0]
 
 
 def _take_together(rows: list[DecodeRow], chosen: mx.array, values: mx.array) -> None:
@@ -149,7 +165,7 @@ def _take_together(rows: list[DecodeRow], chosen: mx.array, values: mx.array) ->
 
 def _decode_together(model, rows: list[DecodeRow], pipelined: bool) -> None:
     start = time.perf_counter()
-    _take_together(rows, *_sample_together(rows))
+    _take_together(rows, *_sample_together(rows, mx.concatenate([row.logprobs for row in rows], axis=0)))
     _share(rows, time.perf_counter() - start, batched=False)
     in_batch = [row for row in rows if not row.done]
     if len(in_batch) < 2:
@@ -167,10 +183,9 @@ def _decode_together(model, rows: list[DecodeRow], pipelined: bool) -> None:
             except BatchUnsupported:  # the layers are as before the step: each row goes on alone
                 _leave(layers, range(len(in_batch)))
                 return
-        for index, row in enumerate(in_batch):
+        for row in in_batch:
             row.pending = None
-            row.logprobs = row.sampler.logprobs(logits[index : index + 1])
-        chosen, values = _sample_together(in_batch)
+        chosen, values = _sample_together(in_batch, _logprobs_together(in_batch, logits))
         mx.async_eval(chosen, values, *[layer.scores for layer in layers])
         logits, ahead, alone = None, None, False
         if pipelined and not any(row.stops_after_next for row in in_batch):
@@ -196,7 +211,7 @@ def _decode_together(model, rows: list[DecodeRow], pipelined: bool) -> None:
         in_batch = [in_batch[i] for i in remaining]
         if in_batch:
             for layer in layers:
-                layer.keep_rows(remaining)
+                layer.filter(remaining)
 
 
 def _batched_step(model, layers: list, tokens: mx.array) -> tuple[mx.array, list]:
