@@ -48,6 +48,9 @@ class UniformBudget:
     def settle(self) -> None:
         """A selection is about to evict to budget (or prefill ended): the budget must be final."""
 
+    def adopt(self, source) -> None:
+        """Take over what ``source`` (another layer's allocator, same prompt) measured while prefilling: nothing here."""
+
     @property
     def arrays(self) -> list:
         """Arrays held per sequence (evaluated with the cache's ``state``)."""

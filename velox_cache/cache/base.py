@@ -24,6 +24,7 @@ always counts every token passed in (probes excepted).
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Optional
 
@@ -98,6 +99,28 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
     def default_head_budgets(cls, eviction: str) -> str:
         """``uniform`` or ``adaptive``: how the policy splits a layer's budget over its heads under ``eviction``."""
         return "uniform"
+
+    def adopt_prefill(self, source: "EvictingKVCache") -> None:
+        """Take over ``source``'s prefill, as if this layer had read the prompt itself; prefill has not ended.
+
+        ``source`` is the same layer of a stack that read the same prompt in the
+        same calls under ``prefill_end``, with the same signal, scoring, window,
+        kernel, selection and key dtype, still prefilling (``velox_cache.generation
+        .reading`` groups configs so): nothing was evicted, so its held tokens,
+        scores, remembered window and measure are this layer's. Telling ``decode``
+        then selects by this layer's own budget. Shares no array with ``source``.
+        """
+        if not source.progress.prefilling or not self.progress.prefilling:
+            raise RuntimeError(f"layer {self.layer_id}: a prefill is adopted before either layer ends it")
+        if (self.eviction, source.eviction) != ("prefill_end", "prefill_end"):
+            raise ValueError(f"layer {self.layer_id}: only prefill_end layers share a reading, not {self.eviction}")
+        if source.signal is not self.signal:
+            raise ValueError(f"layer {self.layer_id}: signal {source.signal.__name__} read, {self.signal.__name__} asked")
+        self.slots.adopt(source.slots)
+        self.selector.adopt(source.selector)
+        self.allocation.adopt(source.allocation)
+        self.adopt_scoring(source)
+        self.progress = copy.copy(source.progress)
 
     @property
     def uses_probes(self) -> bool:

@@ -42,6 +42,13 @@ class LayerScoring:
         self._observed_scale: Optional[float] = None
         self._mask_reaches_attention = False  # the model's causal array mask reached Velox's attention
 
+    def adopt_scoring(self, source: "LayerScoring") -> None:
+        """Score as ``source`` decided to (another layer reading the same prompt), its last call observed."""
+        if source.awaiting_observation:
+            raise RuntimeError(f"layer {source.layer_id}: its last call is still waiting for its attention")
+        self._scoring, self.scoring_fallback = source._scoring, source.scoring_fallback
+        self._observed_scale, self._mask_reaches_attention = source._observed_scale, source._mask_reaches_attention
+
     @property
     def awaiting_observation(self) -> bool:
         """True between a call under observed scoring and its attention reaching ``observe_attention``."""

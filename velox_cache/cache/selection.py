@@ -53,6 +53,14 @@ class WindowSelector:
     def clear(self) -> None:
         self.queries = self.positions = self.mass = None
 
+    def adopt(self, other: "WindowSelector") -> None:
+        """Remember what ``other`` remembers (same ``window`` and ``kernel``), sharing no array with it."""
+        if (other.window, other.kernel) != (self.window, self.kernel):
+            raise ValueError(f"window, kernel: {other.window}, {other.kernel} read, {self.window}, {self.kernel} asked")
+        for name in ("queries", "positions", "mass"):
+            value = getattr(other, name)
+            setattr(self, name, None if value is None else mx.array(value))
+
     def remember(self, queries: mx.array, first_position: int) -> None:
         """Add a call's queries ``[B, H*R, S, D]`` at positions ``first_position ..``; keep the last ``window``."""
         self.mass = None

@@ -134,6 +134,13 @@ class TokenSlots:
         self.positions = mx.zeros((batch, heads, 0), mx.int32)
         self.stored = 0
 
+    def adopt(self, other: "TokenSlots") -> None:
+        """Hold what ``other`` holds (its arrays, counts and positions), sharing nothing with it."""
+        for name in ("keys", "values", "scores", "positions"):
+            value = getattr(other, name)
+            setattr(self, name, None if value is None else mx.array(value))
+        self.stored, self.offset, self.tokens_seen = other.stored, other.offset, other.tokens_seen
+
     def held(self):
         """``(keys, values)`` of the valid slots, in slot order."""
         if self.keys.shape[2] == self.stored:

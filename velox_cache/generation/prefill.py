@@ -66,6 +66,7 @@ def prefill_phases(
     max_new_tokens: int = 0,
     context_length: Optional[int] = None,
     after_call: Optional[Callable[[str, list], None]] = None,
+    tell_decode: bool = True,
 ) -> mx.array:
     """Prefill ``prefix + document + instruction`` into ``caches``; returns the last position's logits ``[1, V]``.
 
@@ -75,7 +76,8 @@ def prefill_phases(
     ``max_new_tokens`` is kept free of it. ``after_call(event, caches)`` runs
     after every model call (``"document"``, ``"probe"``, ``"instruction"``)
     and after every probe is dropped (``"probe_dropped"``), for progress and
-    checks.
+    checks. ``tell_decode=False`` stops before telling ``decode``: prefill has
+    not ended (``velox_cache.generation.reading`` cuts stacks from it first).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size: must be at least 1, got {chunk_size}")
@@ -109,8 +111,9 @@ def prefill_phases(
             logits = _run(model, instruction[begin : begin + chunk_size], caches)
             notify("instruction", caches)
     mx.eval(logits)  # before decode begins: the last prompt token sees everything held
-    phases.tell(caches, Phase.DECODE)
-    mx.eval([c.state for c in caches])
+    if tell_decode:
+        phases.tell(caches, Phase.DECODE)
+        mx.eval([c.state for c in caches])
     return logits
 
 

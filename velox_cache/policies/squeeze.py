@@ -60,6 +60,13 @@ class SqueezeBudget(UniformBudget):
         if self.coordinator is not None and not self.coordinator.published:
             self.coordinator.publish()
 
+    def adopt(self, source) -> None:
+        """Take over ``source``'s concentration measure (a ``SqueezeBudget`` that measured the same prompt)."""
+        if not isinstance(source, SqueezeBudget):
+            raise ValueError(f"squeeze needs a reading that measured concentration; this one's budgets were {source.name}")
+        self._entropy_sum = None if source._entropy_sum is None else mx.array(source._entropy_sum)
+        self._entropy_rows = source._entropy_rows
+
     def _measuring(self) -> bool:
         return not (self.coordinator is not None and self.coordinator.published)
 
