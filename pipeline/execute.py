@@ -10,8 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from velox_cache.generation.reading import NotDerivable, reading_recipe
+
 from . import model_store
-from .generation import GenerationResult, generate_together, prefill_variant
+from .generation import (
+    GenerationResult,
+    generate_together,
+    prefill_shared,
+    prefill_variant,
+)
 from .plan import WorkItem
 from .platform import set_blas_threads
 from .reference import Reference
@@ -78,6 +85,7 @@ def execute_group(model, tokenizer, items: list[WorkItem]) -> list[list[VariantO
     cap = settings.decode_batch_memory_mb * 2**20
     outcomes = {item.index: {} for item in items}
     references = References(items)
+    readings = SharedReadings(model, tokenizer)
     names = list(dict.fromkeys(variant.name for item in items for variant in item.variants))
     full = {variant.name for item in items for variant in item.variants if variant.cache.method == "full"}
     names.sort(key=lambda name: name not in full)  # the references first, whichever item comes first
@@ -87,7 +95,7 @@ def execute_group(model, tokenizer, items: list[WorkItem]) -> list[list[VariantO
             variant = next((v for v in item.variants if v.name == name), None)
             if variant is None:
                 continue
-            prefilled = _prefill(model, tokenizer, item, variant, references, outcomes)
+            prefilled = _prefill(model, tokenizer, item, variant, references, outcomes, readings)
             if prefilled is not None:
                 pending.append(prefilled)
             if len(pending) >= settings.decode_batch_size or sum(p.run.held_bytes for p in pending) >= cap:
@@ -107,12 +115,60 @@ class _Prefilled:
     fidelity_note: Optional[str]
 
 
-def _prefill(model, tokenizer, item, variant, references: References, outcomes) -> Optional[_Prefilled]:
+class SharedReadings:
+    """Each item's variants that can share one reading (the full cache and ``prefill_end`` variants of one
+    prompt), prefilled together the first time one of them is due, then handed out one by one."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+        self._runs: dict = {}  # (item index, variant name) -> PrefilledVariant, or the reading's error
+
+    @staticmethod
+    def sharing(item: WorkItem) -> list:
+        """The variants of ``item`` that read its bounded prompt and can share one reading (none unless two)."""
+        found = []
+        for variant in item.variants:
+            try:  # streaming variants (their prompt may differ) and continuous ones read on their own
+                reading_recipe(variant.cache)
+            except NotDerivable:
+                continue
+            found.append(variant)
+        return found if len(found) > 1 else []
+
+    def take(self, item: WorkItem, variant):
+        """``variant``'s run from ``item``'s shared reading (read now if it is the first); None when it has none.
+
+        Raises the reading's error, for each variant that shared it.
+        """
+        key = (item.index, variant.name)
+        if key not in self._runs:
+            sharing = self.sharing(item)
+            if variant not in sharing:
+                return None
+            try:
+                runs = prefill_shared(self.model, self.tokenizer, item.prompt, [v.cache for v in sharing], item.generation)
+            except NotDerivable:  # e.g. a model with layers Velox leaves alone: each variant reads its own
+                runs = [None] * len(sharing)
+            except Exception as exc:  # noqa: BLE001 - every variant of the reading fails with it
+                runs = [exc] * len(sharing)
+            self._runs.update({(item.index, v.name): run for v, run in zip(sharing, runs)})
+        run = self._runs.pop(key)
+        if isinstance(run, Exception):
+            raise run
+        return run
+
+
+def _prefill(model, tokenizer, item, variant, references: References, outcomes,
+             readings: Optional[SharedReadings] = None) -> Optional[_Prefilled]:
     is_full = variant.cache.method == "full"
     prompt = item.prompt_for(variant)
     own_prompt = item.streamed is not None and prompt is item.streamed
     reference, missing = (None, None) if is_full else (None, OWN_PROMPT) if own_prompt else references.of(item)
     try:
+        shared = readings.take(item, variant) if readings is not None else None
+        if shared is not None:
+            shared.refer_to(reference)
+            return _Prefilled(item, variant, shared, missing)
         run = prefill_variant(
             model, tokenizer, prompt.tokens, variant.cache, item.generation,
             reference=reference,

@@ -12,6 +12,7 @@ one batch (``velox_cache.generation.decode``) with the same outputs as alone.
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -24,6 +25,7 @@ from velox_cache.cache.accounting import layer_stats
 from velox_cache.generation.batching import BatchUnsupported
 from velox_cache.generation.decode import DecodeRow, decode_rows
 from velox_cache.generation.forcing import feed_together
+from velox_cache.generation.reading import SharedReading
 from velox_cache.generation.routing import attention_routing
 
 from .prompting import Prompt
@@ -61,6 +63,7 @@ class GenerationResult:
     logprobs: list[float] = field(default_factory=list)  # of each generated token, under this cache
     fidelity: Optional[Fidelity] = None
     decode_batch_size: int = 1  # the most sequences it decoded beside in one step, itself included
+    reading_seconds: Optional[float] = None  # the shared reading's seconds, when it was cut from one
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -88,6 +91,13 @@ class PrefilledVariant:
     first_logprobs: mx.array
     reference: Optional[Reference] = None
     prefill_end: Optional[list] = None  # a snapshot of the caches when prefill ended (for teacher forcing)
+    reading_seconds: Optional[float] = None  # the shared reading it was cut from (``prefill_shared``)
+
+    def refer_to(self, reference: Optional[Reference]) -> None:
+        """Teacher-force on ``reference`` after decoding (None: no fidelity; its snapshot is dropped)."""
+        self.reference = reference
+        if reference is None:
+            self.prefill_end = None
 
     @property
     def held_bytes(self) -> int:
@@ -138,7 +148,7 @@ def prefill_variant(
     prompt_tokens = prompt.tokens
     caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(prompt_tokens))
     sampler = TokenChoice(settings, prompt_tokens)
-    mx.synchronize()  # nothing of other documents still computing
+    _settle_memory()
     mx.clear_cache()
     held_before = mx.get_active_memory()  # the weights, and whatever other documents' rows hold now
     mx.reset_peak_memory()
@@ -166,6 +176,58 @@ def prefill_variant(
         reference=reference,
         prefill_end=snapshot(caches) if reference is not None else None,
     )
+
+
+def prefill_shared(
+    model, tokenizer, prompt: Prompt, configs: list[KVCacheConfig], settings: GenerationSpec
+) -> list[PrefilledVariant]:
+    """One ``PrefilledVariant`` per config, all cut from one reading of ``prompt`` (``SharedReading``).
+
+    Every run equals what ``prefill_variant`` gives its config alone (tokens,
+    caches, accounting). Seconds: the reading goes to the first config (the full
+    variant, when there is one), each other config's ``prefill_seconds`` is the
+    time to cut its stack; every run records the reading's as ``reading_seconds``.
+    Each compressed run keeps a snapshot for teacher forcing until told its
+    reference (``refer_to``). Raises ``NotDerivable`` when the configs cannot share.
+    """
+    _settle_memory()
+    mx.clear_cache()
+    held_before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    reading = SharedReading.prefill(
+        model, configs, prefix=prompt.prefix, document=prompt.document, instruction=prompt.instruction,
+        chunk_size=settings.prefill_step_size, max_new_tokens=settings.max_tokens,
+    )
+    mx.eval(reading.logits)
+    reading_seconds = time.perf_counter() - start
+    reading_peak = mx.get_peak_memory() - held_before
+    eos = frozenset(tokenizer.eos_token_ids)
+    runs = []
+    for index, config in enumerate(configs):
+        start = time.perf_counter()
+        caches = reading.full() if config.method == "full" else reading.derive(config)
+        sampler = TokenChoice(settings, prompt.tokens)
+        first_logprobs = sampler.logprobs(reading.logits)
+        mx.eval(first_logprobs)
+        seconds = time.perf_counter() - start + (reading_seconds if index == 0 else 0.0)
+        runs.append(PrefilledVariant(
+            DecodeRow(caches, sampler, first_logprobs, settings.max_tokens, eos),
+            config,
+            prompt_tokens=len(prompt.tokens),
+            prefill_seconds=seconds,
+            prefill_peak_bytes=reading_peak,
+            first_logprobs=first_logprobs,
+            prefill_end=None if config.method == "full" else snapshot(caches),
+            reading_seconds=reading_seconds,
+        ))
+    return runs
+
+
+def _settle_memory() -> None:
+    """Before a peak is measured: nothing of other documents still computing, or waiting to be collected."""
+    gc.collect()
+    mx.synchronize()
 
 
 def generate_together(model, tokenizer, runs: list[PrefilledVariant], *, batch: bool = True) -> list[GenerationResult]:
@@ -228,6 +290,7 @@ def _finish(tokenizer, run: PrefilledVariant, weights: int, fidelity: Optional[F
         logprobs=row.token_logprobs,
         fidelity=fidelity,
         decode_batch_size=row.batch_size,
+        reading_seconds=run.reading_seconds,
     )
 
 

@@ -66,6 +66,7 @@ def document_row(
         "truncated": int(prepared.prompt.truncated),
         "output_tokens": result.output_tokens,
         "prefill_seconds": result.prefill_seconds,
+        "reading_seconds": result.reading_seconds,
         "decode_seconds": result.decode_seconds,
         "decode_batch_size": result.decode_batch_size,
         "prefill_tokens_per_second": result.prefill_tokens_per_second,

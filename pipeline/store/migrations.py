@@ -280,6 +280,12 @@ def m008_fidelity_note(db: sqlite_utils.Database) -> None:
     db["documents"].add_column("fidelity_note", str)
 
 
+@migration
+def m009_reading_seconds(db: sqlite_utils.Database) -> None:
+    """The seconds of the reading a row's variant shared with the document's other variants (null: its own)."""
+    db["documents"].add_column("reading_seconds", float)
+
+
 def migrate(db: sqlite_utils.Database, *, transaction: Optional[Callable] = None) -> list[str]:
     """Apply the migrations not yet recorded, each in one transaction; returns the names applied.
 

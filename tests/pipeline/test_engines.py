@@ -94,9 +94,32 @@ def test_a_variant_that_raises_is_an_outcome_and_the_others_still_run(tiny_model
         return prefill(model, tokenizer, prompt_tokens, config, settings, **options)
 
     monkeypatch.setattr(pipeline.execute, "prefill_variant", fails_for_pyramid)
+    monkeypatch.setattr(pipeline.execute.SharedReadings, "sharing", staticmethod(lambda item: []))  # each its own
     outcomes = execute(*tiny_model, work_item)
     assert [(o.variant, o.error) for o in outcomes] == [("full", None), ("pyramid", "ValueError: no room"), ("squeeze", None)]
     assert all(o.result is not None for o in outcomes if o.error is None)
+
+
+def test_a_shared_reading_that_raises_fails_the_variants_that_shared_it_and_no_other(tiny_model, job, tiny_model_dir,
+                                                                                     monkeypatch):
+    spec = load_spec(job({"variants": [
+        {"name": "full", "method": "full"},
+        {"name": "pyramid", "method": "pyramidkv", "budget": 24},
+        {"name": "streamed", "method": "pyramidkv", "budget": 24, "eviction": "streaming"},
+    ]}))
+    tokenizer, _ = load_tokenizer(str(tiny_model_dir))
+    item = WorkItem(0, "doc-0", list(tokenizer.encode("About caches: a short document.")), spec.variants,
+                    GenerationSpec(max_tokens=5))
+    assert [v.name for v in pipeline.execute.SharedReadings.sharing(item)] == ["full", "pyramid"]
+
+    def no_reading(*args, **kwargs):
+        raise MemoryError("no room to read")
+
+    monkeypatch.setattr(pipeline.execute, "prefill_shared", no_reading)
+    outcomes = execute(*tiny_model, item)
+    assert [(o.variant, o.error) for o in outcomes] == [
+        ("full", "MemoryError: no room to read"), ("pyramid", "MemoryError: no room to read"), ("streamed", None)
+    ]
 
 
 def test_an_executor_loads_its_model_in_the_thread_that_calls_it(tiny_model, tiny_model_dir, work_item):

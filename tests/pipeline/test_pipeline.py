@@ -113,6 +113,27 @@ def test_decode_batch_sizes_store_the_same_rows(job, tmp_path):
     assert stored[4][2] == [("full", 4), ("pyramid", 4), ("squeeze", 4)]
 
 
+def test_variants_sharing_one_reading_store_what_they_store_one_at_a_time(job, tmp_path):
+    """The full and prefill-end variants of a document share one reading: the rows are those of separate runs."""
+    write_corpus(tmp_path / "corpus.parquet", n=4)
+    outputs = (
+        "document_id, variant, status, output, prompt_tokens, output_tokens, stop_reason, kept_bytes, full_seq_bytes, "
+        "compression_ratio, rouge_l_vs_full, agreement_vs_full, nll_gap_vs_full, output_token_ids, output_logprobs, "
+        "doc_key"
+    )
+    layers = "document_id, variant, layer, layer_budget, tokens_seen, tokens_kept, kept_bytes, full_seq_bytes, concentration"
+    shared, alone = tmp_path / "shared.db", tmp_path / "alone.db"
+    assert invoke("run", job({"output": {"db": str(shared)}}), "-q").exit_code == 0
+    for variant in ("full", "pyramid", "squeeze"):
+        assert invoke("run", job({"output": {"db": str(alone)}}), "-q", "--variant", variant).exit_code == 0
+    for columns, table in ((outputs, "documents"), (layers, "layer_stats")):
+        query = f"select {columns} from {table} order by {columns}"
+        assert rows(shared, query) == rows(alone, query)
+    timing = "select variant, count(reading_seconds), sum(prefill_seconds >= reading_seconds) from documents group by 1"
+    assert rows(shared, timing) == [("full", 4, 4), ("pyramid", 4, 0), ("squeeze", 4, 0)], "the reading is the full's"
+    assert rows(alone, "select count(reading_seconds) from documents") == [(0,)]
+
+
 def test_peak_memory_does_not_count_the_other_rows_of_a_batch(job, tmp_path):
     """A row's ``peak_memory_bytes`` is its own: the same whether it decoded alone or fourth in a batch.
 

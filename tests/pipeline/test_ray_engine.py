@@ -79,6 +79,8 @@ def logged_load(marks: str, name: str, **options):
         return prefill(model, tokenizer, prompt_tokens, config, settings, **options)
 
     pipeline.execute.prefill_variant = logging_prefill  # this worker process only
+    # each variant reads on its own (no shared reading), so that a death can come between variants
+    pipeline.execute.SharedReadings.sharing = staticmethod(lambda item: [])
     return model, tokenizer
 
 
