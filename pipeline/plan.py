@@ -161,7 +161,7 @@ def prepare_documents(
     spec: JobSpec, tokenizer, document: Document, context: Optional[int]
 ) -> tuple[PreparedDocument, Optional[PreparedDocument]]:
     """``(prepared, streamed)``: the prompt within the context, and the streaming variants' own when it differs."""
-    if not any(streams(variant) for variant in spec.variants):
+    if not any(streams(variant) or variant.auto_eviction for variant in spec.variants):
         return prepare_document(spec, tokenizer, document, context), None
     whole = prepare_document(spec, tokenizer, document, None)
     prepared = prepare_document(spec, tokenizer, document, context, streamed_reads_it=whole.status == "ready")
@@ -183,6 +183,7 @@ def plan_document(
     plan = DocumentPlan(index, prepared, settings_hash, streamed=streamed)
     document = prepared.document
     for variant in ordered_variants(spec):
+        variant = variant.for_document(fits=prepared.status == "ready")
         own = plan.prepared_for(variant)
         key = doc_key(document.document_id, own.basis, settings_hash, variant)
         found = None if force else store.find_done(key)

@@ -53,6 +53,7 @@ def document_row(
         "method": config.method,
         "budget": stored_budget(config, prepared),
         "scoring": None if config.method == "full" else config.scoring,
+        "eviction": None if config.method == "full" else config.eviction,
         "run_id": run_id,
         "status": status,
     }

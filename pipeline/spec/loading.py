@@ -92,6 +92,11 @@ def _variants(raw: dict, where: str) -> list[Variant]:
             raise SpecError(f"{item_where}: expected a mapping, got {type(item).__name__}")
         item = dict(item)
         name = item.pop("name", None)
+        auto = item.get("eviction") == "auto"
+        if auto:  # prefill_end where the prompt fits the context, streaming where it does not
+            if item.get("method", "full") == "full":
+                raise SpecError(f"{item_where}.eviction: 'auto' is for compressed methods; the full cache evicts nothing")
+            item["eviction"] = "prefill_end"
         try:
             config = KVCacheConfig.from_dict(item, where=item_where)
         except ConfigError as exc:
@@ -101,7 +106,7 @@ def _variants(raw: dict, where: str) -> list[Variant]:
         name = str(name) if name is not None else (
             config.method if config.method == "full" else f"{config.method}-{config.budget}"
         )
-        variants.append(Variant(name, config))
+        variants.append(Variant(name, config, auto_eviction=auto))
     names = [v.name for v in variants]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:

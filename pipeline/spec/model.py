@@ -108,8 +108,19 @@ class EngineSpec:
 
 @dataclass
 class Variant:
+    """One cache configuration of the job. ``auto_eviction`` (the spec's ``eviction: auto``): ``cache``
+    reads a document at ``prefill_end`` where its prompt fits the model's context, by streaming where
+    it does not (``for_document``)."""
+
     name: str
     cache: KVCacheConfig
+    auto_eviction: bool = False
+
+    def for_document(self, fits: bool) -> "Variant":
+        """The variant as it reads a document whose prompt ``fits`` the context, or not."""
+        if not self.auto_eviction or fits:
+            return self
+        return dataclasses.replace(self, cache=dataclasses.replace(self.cache, eviction="streaming"))
 
 
 @dataclass
@@ -205,7 +216,8 @@ def _hash(data: Any) -> str:
 
 
 def variant_hash(variant: Variant) -> str:
-    return _hash({"name": variant.name, **dataclasses.asdict(variant.cache)})
+    auto = {"auto_eviction": True} if variant.auto_eviction else {}
+    return _hash({"name": variant.name, **dataclasses.asdict(variant.cache), **auto})
 
 
 def input_files(spec: JobSpec) -> list[Path]:

@@ -286,6 +286,15 @@ def m009_reading_seconds(db: sqlite_utils.Database) -> None:
     db["documents"].add_column("reading_seconds", float)
 
 
+@migration
+def m010_eviction(db: sqlite_utils.Database) -> None:
+    """When a compressed row's variant evicted (``prefill_end``, ``streaming``, ...; null: its policy's default).
+
+    An ``eviction: auto`` variant reads at ``prefill_end`` where the prompt fits the context, by streaming where not.
+    """
+    db["documents"].add_column("eviction", str)
+
+
 def migrate(db: sqlite_utils.Database, *, transaction: Optional[Callable] = None) -> list[str]:
     """Apply the migrations not yet recorded, each in one transaction; returns the names applied.
 

@@ -119,6 +119,43 @@ def test_streaming_variants_read_documents_past_the_context_and_full_skips_them(
     assert seen > 160, "every token of the long document was read"
 
 
+def test_eviction_auto_reads_what_fits_once_with_the_full_cache_and_streams_the_rest(job, tmp_path, short_context_model):
+    table = pa.table({
+        "id": ["short", "long"],
+        "text": ["A short note on caches.", "Long documents are read chunk by chunk in bounded memory. " * 8],
+        "topic": ["caches", "caches"],
+    })
+    pq.write_table(table, tmp_path / "corpus.parquet")
+    path = job(
+        {
+            "generation": {"max_tokens": 6, "prefill_step_size": 16},
+            "limits": {"on_too_long": "skip"},
+            "variants": [
+                {"name": "full", "method": "full"},
+                {"name": "pyramid", "method": "pyramidkv", "budget": 12, "eviction": "auto", "stream_headroom": 2},
+            ],
+        },
+        model=str(short_context_model),
+    )
+    assert invoke("run", path, "-q").exit_code == 0
+    db = tmp_path / "store.db"
+    stored = rows(db, "select document_id, variant, status, eviction, reading_seconds is not null, agreement_vs_full "
+                      "is not null from documents order by 1, 2")
+    assert stored == [
+        ("long", "full", "skipped", None, 0, 0),
+        ("long", "pyramid", "done", "streaming", 0, 0),  # past the context: streamed, no full output to compare
+        ("short", "full", "done", None, 1, 0),
+        ("short", "pyramid", "done", "prefill_end", 1, 1),  # fits: cut from the full variant's reading
+    ]
+    assert invoke("run", path, "-q").exit_code == 0
+    assert rows(db, "select count(*) from documents") == [(4,)], "a rerun finds both timings done"
+
+
+def test_eviction_auto_on_the_full_cache_is_refused_by_field(job):
+    result = invoke("run", job({"variants": [{"name": "full", "method": "full", "eviction": "auto"}]}), "-q")
+    assert result.exit_code == 2 and "variants[0].eviction: 'auto' is for compressed methods" in result.output
+
+
 def test_a_ready_prompt_with_a_streaming_variant_says_how_it_ranks(job, tmp_path):
     table = pa.table({"id": ["a"], "prompt": ["Summarize: caches keep budgets."]})
     pq.write_table(table, tmp_path / "prompts.parquet")
