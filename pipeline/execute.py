@@ -7,7 +7,7 @@ exception: the other variants of the document still run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from velox_cache.generation.reading import NotDerivable, reading_recipe
@@ -15,6 +15,7 @@ from velox_cache.generation.reading import NotDerivable, reading_recipe
 from . import model_store
 from .generation import (
     GenerationResult,
+    frontier_rows,
     generate_together,
     prefill_shared,
     prefill_variant,
@@ -35,6 +36,7 @@ class VariantOutcome:
     result: Optional[GenerationResult] = None
     error: Optional[str] = None
     fidelity_note: Optional[str] = None
+    frontier: list = field(default_factory=list)  # the full variant's: one row per (compressed variant, budget)
 
 
 NO_STORED_REFERENCE = "no full-cache output of this prompt: the full variant is not in this job, or not done yet"
@@ -125,15 +127,13 @@ class SharedReadings:
 
     @staticmethod
     def sharing(item: WorkItem) -> list:
-        """The variants of ``item`` that read its bounded prompt and can share one reading (none unless two)."""
-        found = []
-        for variant in item.variants:
-            try:  # streaming variants (their prompt may differ) and continuous ones read on their own
-                reading_recipe(variant.cache)
-            except NotDerivable:
-                continue
-            found.append(variant)
-        return found if len(found) > 1 else []
+        """The variants of ``item`` that read its bounded prompt and can share one reading.
+
+        None unless two can, or the full variant can and the job measures a frontier.
+        """
+        found = [variant for variant in item.variants if _derivable(variant.cache)]
+        full = any(variant.cache.method == "full" for variant in found)
+        return found if len(found) > 1 or (full and frontier_points(item)) else []
 
     def take(self, item: WorkItem, variant):
         """``variant``'s run from ``item``'s shared reading (read now if it is the first); None when it has none.
@@ -145,8 +145,11 @@ class SharedReadings:
             sharing = self.sharing(item)
             if variant not in sharing:
                 return None
+            full_first = sharing[0].cache.method == "full"
+            also_read = [config for _, _, config in frontier_points(item)] if full_first else []
             try:
-                runs = prefill_shared(self.model, self.tokenizer, item.prompt, [v.cache for v in sharing], item.generation)
+                runs = prefill_shared(self.model, self.tokenizer, item.prompt, [v.cache for v in sharing],
+                                      item.generation, also_read=also_read)
             except NotDerivable:  # e.g. a model with layers Velox leaves alone: each variant reads its own
                 runs = [None] * len(sharing)
             except Exception as exc:  # noqa: BLE001 - every variant of the reading fails with it
@@ -156,6 +159,23 @@ class SharedReadings:
         if isinstance(run, Exception):
             raise run
         return run
+
+
+def _derivable(config) -> bool:
+    try:  # streaming variants (their prompt may differ) and continuous ones read on their own
+        reading_recipe(config)
+    except NotDerivable:
+        return False
+    return True
+
+
+def frontier_points(item: WorkItem) -> list:
+    """``[(variant name, budget, config at that budget)]``: the frontier this item's reading measures."""
+    return [
+        (variant.name, budget, replace(variant.cache, budget=budget, resolved_budget=None))
+        for variant, budget in item.frontier
+        if _derivable(variant.cache)
+    ]
 
 
 def _prefill(model, tokenizer, item, variant, references: References, outcomes,
@@ -200,9 +220,18 @@ def _decode(model, tokenizer, pending: list[_Prefilled], references: References,
     for prefilled, result in zip(pending, results):
         item, variant = prefilled.item, prefilled.variant
         note = prefilled.fidelity_note if result.fidelity is None else None
-        outcomes[item.index][variant.name] = VariantOutcome(variant.name, result=result, fidelity_note=note)
+        outcome = VariantOutcome(variant.name, result=result, fidelity_note=note)
+        outcomes[item.index][variant.name] = outcome
         if variant.cache.method == "full":
-            references.made(item, Reference.of_output(result.token_ids, result.logprobs))
+            reference = Reference.of_output(result.token_ids, result.logprobs)
+            references.made(item, reference)
+            if prefilled.run.reading is not None:
+                try:
+                    outcome.frontier = frontier_rows(model, prefilled.run, frontier_points(item), reference,
+                                                     item.generation)
+                except Exception as exc:  # noqa: BLE001 - the full output stands; the store says why no frontier
+                    prefilled.run.reading = None
+                    outcome.fidelity_note = f"frontier: {type(exc).__name__}: {exc}"
 
 
 def _failed(item, variant, error: str, references: References, outcomes) -> None:

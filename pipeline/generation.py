@@ -92,6 +92,7 @@ class PrefilledVariant:
     reference: Optional[Reference] = None
     prefill_end: Optional[list] = None  # a snapshot of the caches when prefill ended (for teacher forcing)
     reading_seconds: Optional[float] = None  # the shared reading it was cut from (``prefill_shared``)
+    reading: Optional[SharedReading] = None  # kept for the frontier until ``frontier_rows`` is done with it
 
     def refer_to(self, reference: Optional[Reference]) -> None:
         """Teacher-force on ``reference`` after decoding (None: no fidelity; its snapshot is dropped)."""
@@ -103,7 +104,7 @@ class PrefilledVariant:
     def held_bytes(self) -> int:
         """Bytes of keys and values this variant's caches hold (and its snapshot, when kept)."""
         held = sum(getattr(cache, "nbytes", 0) for cache in self.row.caches)
-        return held * (2 if self.prefill_end is not None else 1)
+        return held * (2 if self.prefill_end is not None else 1) + (self.reading.nbytes if self.reading else 0)
 
 
 def generate(
@@ -179,7 +180,8 @@ def prefill_variant(
 
 
 def prefill_shared(
-    model, tokenizer, prompt: Prompt, configs: list[KVCacheConfig], settings: GenerationSpec
+    model, tokenizer, prompt: Prompt, configs: list[KVCacheConfig], settings: GenerationSpec, *,
+    also_read: list[KVCacheConfig] = (),
 ) -> list[PrefilledVariant]:
     """One ``PrefilledVariant`` per config, all cut from one reading of ``prompt`` (``SharedReading``).
 
@@ -189,6 +191,8 @@ def prefill_shared(
     time to cut its stack; every run records the reading's as ``reading_seconds``.
     Each compressed run keeps a snapshot for teacher forcing until told its
     reference (``refer_to``). Raises ``NotDerivable`` when the configs cannot share.
+    ``also_read``: configs to cut later (``frontier_rows``); the first run then keeps
+    the reading (``reading``) until it is done with.
     """
     _settle_memory()
     mx.clear_cache()
@@ -196,8 +200,8 @@ def prefill_shared(
     mx.reset_peak_memory()
     start = time.perf_counter()
     reading = SharedReading.prefill(
-        model, configs, prefix=prompt.prefix, document=prompt.document, instruction=prompt.instruction,
-        chunk_size=settings.prefill_step_size, max_new_tokens=settings.max_tokens,
+        model, [*configs, *also_read], prefix=prompt.prefix, document=prompt.document,
+        instruction=prompt.instruction, chunk_size=settings.prefill_step_size, max_new_tokens=settings.max_tokens,
     )
     mx.eval(reading.logits)
     reading_seconds = time.perf_counter() - start
@@ -221,7 +225,45 @@ def prefill_shared(
             prefill_end=None if config.method == "full" else snapshot(caches),
             reading_seconds=reading_seconds,
         ))
+    if also_read:
+        runs[0].reading = reading
     return runs
+
+
+def frontier_rows(model, run: PrefilledVariant, points: list, reference: Reference, settings: GenerationSpec) -> list:
+    """The compression frontier of one document, from its reading (``run.reading``, then dropped).
+
+    ``points``: ``[(variant name, budget, config at that budget)]``. Each config's stack is
+    cut from the reading and teacher-forced on ``reference`` (all in one batched call, as
+    ``teacher_force_together``): one row per point with its agreement, NLL gap and bytes.
+    """
+    reading, run.reading = run.reading, None
+    prompt_tokens = reading.prompt_tokens
+    stacks = [reading.derive(config) for _, _, config in points]
+    del reading
+    choices = [TokenChoice(settings, run.row.sampler.prompt) for _ in points]
+    with attention_routing(model, [config for _, _, config in points]):
+        fidelities = teacher_force_together(
+            model, [(stack, run.first_logprobs, reference, choice) for stack, choice in zip(stacks, choices)]
+        )
+    rows = []
+    for (name, budget, config), stack, fidelity in zip(points, stacks, fidelities):
+        layers = [_layer_row(i, cache) for i, cache in enumerate(stack)]
+        kept = sum(row["kept_bytes"] for row in layers)
+        full = sum(row["full_seq_bytes"] for row in layers)
+        rows.append({
+            "variant": name,
+            "method": config.method,
+            "budget": str(budget),
+            "prompt_tokens": prompt_tokens,
+            "kept_share": kept / full if full else None,  # of the prompt's keys and values, in bytes
+            "kept_bytes": kept,
+            "full_seq_bytes": full,
+            "compression_ratio": full / kept if kept else None,
+            "agreement_vs_full": fidelity.agreement,
+            "nll_gap_vs_full": fidelity.nll_gap,
+        })
+    return rows
 
 
 def _settle_memory() -> None:

@@ -62,7 +62,7 @@ def save_outcomes(
             plan, entry, run_id, status="done", result=result, rouge_l_vs_full=similarity,
             fidelity_note=outcome.fidelity_note,
         )
-        store.save_document(row, result.layer_stats)
+        store.save_document(row, result.layer_stats, outcome.frontier)
         if is_full:
             full_outputs[prompt_hash] = result.output
             for other_row, output in store.compressed_outputs(row["document_id"], prompt_hash, plan.settings_hash):

@@ -77,6 +77,7 @@ class WorkItem:
     document_start: int = 0
     document_end: Optional[int] = None
     streamed: Optional[Prompt] = None
+    frontier: list = field(default_factory=list)  # [(compressed Variant as it reads this prompt, budget)]
 
     @property
     def prompt(self) -> Prompt:
@@ -204,9 +205,17 @@ def plan_document(
             plan.full_outputs[stored_hash] = None if stored is None else stored["output"]
             if stored_hash == main.prompt_hash and stored is not None and stored["token_ids"] is not None:
                 reference = Reference(stored["token_ids"], stored["logprobs"])
+        fits = prepared.status == "ready"
+        frontier = [
+            (variant.for_document(fits), budget)
+            for variant in spec.variants
+            if variant.cache.method != "full" and main is prepared
+            for budget in spec.frontier.budgets
+        ]
         plan.work = WorkItem(
             index, document.document_id, list(main.prompt.tokens), due, spec.generation, reference=reference,
             document_start=main.prompt.document_start, document_end=main.prompt.document_end, streamed=other,
+            frontier=frontier,
         )
     return plan
 

@@ -78,7 +78,7 @@ def document_row(
         "agreement_vs_full": fidelity.agreement if fidelity else None,
         "nll_gap_vs_full": fidelity.nll_gap if fidelity else None,
         "fidelity_seconds": fidelity.seconds if fidelity else None,
-        "fidelity_note": None if fidelity or config.method == "full" else fidelity_note,
+        "fidelity_note": None if fidelity else fidelity_note,
         "output_token_ids": json.dumps(result.token_ids),
         "output_logprobs": json.dumps(rounded_logprobs(result.logprobs)),
         **result.totals(),

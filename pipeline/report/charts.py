@@ -193,3 +193,28 @@ def history_chart(history: list[dict], fidelity: str, colours: dict, shown_run: 
     axes[2].set_xlabel("run (id and start date, UTC)")
     figure.suptitle("Across runs of this job: speed and fidelity per run (mean over its documents)")
     return figure
+
+
+def frontier_chart(frontier: list[dict], own_budgets: dict, colours: dict):
+    """Mean agreement against the mean share of the prompt kept, one curve per compressed variant.
+
+    Each point is one budget of ``frontier.budgets`` (labelled); the variant's own
+    budget (``own_budgets``: variant -> its budget as the job spec gives it) is ringed.
+    """
+    figure, (ax,) = _new_figure(6.5, 3.8)
+    for variant, points in _by_variant(frontier).items():
+        shares = [100 * p["mean_kept_share"] for p in points]
+        agreements = [p["mean_agreement"] for p in points]
+        ax.plot(shares, agreements, "o-", markersize=4, color=colours[variant], label=variant)
+        for share, agreement, point in zip(shares, agreements, points):
+            ax.annotate(point["budget"], (share, agreement), textcoords="offset points", xytext=(3, -9), fontsize=7)
+            if point["budget"] == own_budgets.get(variant):
+                ax.plot([share], [agreement], "o", markersize=11, markerfacecolor="none", color=colours[variant])
+    ax.set_xscale("log")
+    ax.set_title("Compression frontier: agreement at every budget (ringed: the variant's own)")
+    ax.set_xlabel("share of the prompt kept (%, mean over documents)")
+    ax.set_ylabel("mean teacher-forced agreement\nwith the full cache (0–1)")
+    ax.set_ylim(-0.02, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return figure

@@ -36,6 +36,7 @@ class RunData:
     layers: list[dict]
     problems: list[dict]
     history: list[dict]  # per run of the same job and variant
+    frontier: list[dict]  # per compressed variant and budget, over the job's latest full rows
 
 
 def load_run(db, run_id: Optional[int] = None) -> Optional[RunData]:
@@ -65,6 +66,7 @@ def load_run(db, run_id: Optional[int] = None) -> Optional[RunData]:
         layers=store.report_layers(db, run_id),
         problems=store.report_problems(db, run_id),
         history=store.report_history(db, run["job_name"], fidelity),
+        frontier=store.report_frontier(db, run["job_name"]),
     )
 
 

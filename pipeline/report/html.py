@@ -18,6 +18,7 @@ from .charts import (
     bytes_chart,
     concentration_chart,
     fidelity_chart,
+    frontier_chart,
     history_chart,
     inline_svg,
     layer_chart,
@@ -90,6 +91,14 @@ def build_report(db, *, run_id: Optional[int] = None) -> Report:
                 else _message("No compressed document has a fidelity value yet (its full-cache output is missing)."),
             ),
             _STEP_NOTE if any(v["method"] == "full" and (v["mean_compression_ratio"] or 1) < 1 for v in variants) else "",
+        )
+    if data.frontier:
+        own = {v["variant"]: str(v["budget"]) for v in compressed}
+        page.section(
+            "Compression frontier",
+            page.chart("chart-frontier", lambda: frontier_chart(data.frontier, own, colours)),
+            _FRONTIER_NOTE,
+            _details(f"Per variant and budget ({len(data.frontier)} rows)", _frontier_table(data.frontier)),
         )
     if variants:
         page.section(
@@ -257,6 +266,26 @@ def _variant_table(variants: list[dict], fidelity: str) -> str:
         _Column("mean_decode_tps", "mean decode (tokens/s)", 1),
     ]
     return _table("variant-summary", columns, variants)
+
+
+_FRONTIER_NOTE = (
+    '<p class="meta">Every compressed variant\'s policy at every <code>frontier.budgets</code> budget, cut from '
+    "the document's one reading and teacher-forced on the full output (the job's latest full rows). "
+    "SQL: <code>select * from frontier_summary</code>.</p>"
+)
+
+
+def _frontier_table(frontier: list[dict]) -> str:
+    columns = [
+        _Column("variant", "variant"),
+        _Column("budget", "budget"),
+        _Column("documents", "documents"),
+        _Column("mean_kept_share", "mean share of the prompt kept (%)", 2, 0.01),
+        _Column("mean_agreement", "mean agreement", 3),
+        _Column("worst_agreement", "worst agreement", 3),
+        _Column("mean_compression_ratio", "mean compression ratio (×)", 2),
+    ]
+    return _table("frontier-summary", columns, frontier)
 
 
 def _document_table(documents: list[dict], fidelity: str) -> str:

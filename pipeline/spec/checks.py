@@ -53,6 +53,7 @@ def validate(spec: JobSpec) -> None:
     ``truncate`` for a ``text_column`` and ``fail`` for a ready ``prompt_column``.
     """
     inp, gen, lim = spec.input, spec.generation, spec.limits
+    _check_frontier(spec.frontier.budgets)
     if not inp.path.strip():
         raise SpecError("input.path: must not be empty")
     if bool(inp.text_column) == bool(inp.prompt_column):
@@ -117,3 +118,22 @@ def _validate_engine(engine: EngineSpec) -> None:
         for name in ("workers", "address"):
             if getattr(engine, name) is not None:
                 raise SpecError(f"engine.{name}: only the ray engine has {name} (set engine.name: ray or --engine ray)")
+
+
+def _check_frontier(budgets) -> None:
+    """``frontier.budgets``: a list of token counts (at least 1) or shares (``"25%"``), each once."""
+    from velox_cache.config import ConfigError, parse_budget_fraction  # velox_cache loads MLX: only here
+
+    if not isinstance(budgets, list):
+        raise SpecError(f"frontier.budgets: expected a list of budgets, got {budgets!r}")
+    for i, budget in enumerate(budgets):
+        where = f"frontier.budgets[{i}]"
+        if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+            raise SpecError(f"{where}: expected a number of tokens or a percentage like '25%', got {budget!r}")
+        try:
+            if parse_budget_fraction(budget, where) is None and budget < 1:
+                raise SpecError(f"{where}: must be at least 1 token, got {budget}")
+        except ConfigError as exc:
+            raise SpecError(str(exc)) from None
+    if len({str(b) for b in budgets}) != len(budgets):
+        raise SpecError("frontier.budgets: each budget once")

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from .checks import SpecError, validate
-from .model import EngineSpec, GenerationSpec, InputSpec, JobSpec, LimitsSpec, OutputSpec, Variant
+from .model import EngineSpec, FrontierSpec, GenerationSpec, InputSpec, JobSpec, LimitsSpec, OutputSpec, Variant
 
 _TYPES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
@@ -118,7 +118,7 @@ def parse_spec(raw: Any, where: str = "spec") -> JobSpec:
     """Validate a spec mapping; errors name the field."""
     if not isinstance(raw, dict):
         raise SpecError(f"{where}: expected a mapping at the top level")
-    top = {"name", "model", "input", "generation", "cache", "variants", "limits", "output", "engine"}
+    top = {"name", "model", "input", "generation", "cache", "variants", "limits", "output", "engine", "frontier"}
     for key in raw:
         if key not in top:
             close = difflib.get_close_matches(str(key), sorted(top), n=1)
@@ -140,6 +140,7 @@ def parse_spec(raw: Any, where: str = "spec") -> JobSpec:
             limits=_section(LimitsSpec, raw.get("limits"), "limits"),
             output=_section(OutputSpec, raw.get("output"), "output"),
             engine=_section(EngineSpec, raw.get("engine"), "engine"),
+            frontier=_section(FrontierSpec, raw.get("frontier"), "frontier"),
         )
         validate(spec)
     except SpecError as exc:

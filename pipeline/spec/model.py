@@ -86,6 +86,14 @@ class LimitsSpec:
 
 
 @dataclass
+class FrontierSpec:
+    """``budgets``: every budget (tokens, or a share like ``"25%"``) at which each compressed variant's
+    policy is measured against the full output, from the document's shared reading (empty: no frontier)."""
+
+    budgets: list = field(default_factory=list)
+
+
+@dataclass
 class OutputSpec:
     db: str = DEFAULT_DB
 
@@ -133,6 +141,7 @@ class JobSpec:
     limits: LimitsSpec = field(default_factory=LimitsSpec)
     output: OutputSpec = field(default_factory=OutputSpec)
     engine: EngineSpec = field(default_factory=EngineSpec)
+    frontier: FrontierSpec = field(default_factory=FrontierSpec)
     source: Optional[str] = None  # the spec file
 
     def settings_hash(self) -> str:

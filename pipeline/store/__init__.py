@@ -18,6 +18,7 @@ from .queries import (
     read_only_query,
     recent_runs,
     report_documents,
+    report_frontier,
     report_history,
     report_later_runs,
     report_layers,
@@ -26,7 +27,13 @@ from .queries import (
     report_run_ids,
     report_variants,
 )
-from .writer import BUSY_TIMEOUT_MS, DEFAULT_DB, WAIT_NOTICE_SECONDS, Store, check_store_path
+from .writer import (
+    BUSY_TIMEOUT_MS,
+    DEFAULT_DB,
+    WAIT_NOTICE_SECONDS,
+    Store,
+    check_store_path,
+)
 
 __all__ = [
     "BUSY_TIMEOUT_MS",
@@ -51,6 +58,7 @@ __all__ = [
     "report_documents",
     "report_history",
     "report_later_runs",
+    "report_frontier",
     "report_layers",
     "report_problems",
     "report_run",

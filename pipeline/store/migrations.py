@@ -295,6 +295,51 @@ def m010_eviction(db: sqlite_utils.Database) -> None:
     db["documents"].add_column("eviction", str)
 
 
+@migration
+def m011_frontier(db: sqlite_utils.Database) -> None:
+    """The compression frontier: each compressed variant's policy at every ``frontier.budgets`` budget, per document.
+
+    One row per full-variant row (``doc_key``) x variant x budget, from the document's shared reading;
+    ``frontier_summary``: per variant and budget, documents, mean and worst agreement, mean ratio and share kept.
+    """
+    db["frontier"].create(
+        {
+            "id": int,
+            "run_id": int,
+            "doc_key": str,  # the full variant's row it was measured with (replaced with it)
+            "document_id": str,
+            "prompt_hash": str,
+            "settings_hash": str,
+            "variant": str,
+            "method": str,
+            "budget": str,
+            "prompt_tokens": int,
+            "kept_share": float,
+            "kept_bytes": int,
+            "full_seq_bytes": int,
+            "compression_ratio": float,
+            "agreement_vs_full": float,
+            "nll_gap_vs_full": float,
+            "created_at": str,
+        },
+        pk="id",
+        foreign_keys=[("run_id", "runs", "id")],
+    )
+    db["frontier"].create_index(["doc_key"])
+    db.create_view(
+        "frontier_summary",
+        """
+        select variant, method, budget, count(*) as documents,
+               round(avg(kept_share), 4) as mean_kept_share,
+               round(avg(agreement_vs_full), 3) as mean_agreement_vs_full,
+               round(min(agreement_vs_full), 3) as worst_agreement_vs_full,
+               round(avg(nll_gap_vs_full), 3) as mean_nll_gap_vs_full,
+               round(avg(compression_ratio), 2) as mean_compression_ratio
+        from frontier group by variant, method, budget order by variant, mean_kept_share
+        """,
+    )
+
+
 def migrate(db: sqlite_utils.Database, *, transaction: Optional[Callable] = None) -> list[str]:
     """Apply the migrations not yet recorded, each in one transaction; returns the names applied.
 

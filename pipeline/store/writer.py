@@ -216,17 +216,22 @@ class Store:
             [document_row, document_id, variant],
         )
 
-    def save_document(self, row: dict, layer_rows: list[dict]) -> int:
-        """Store one document × variant and its per-layer rows atomically as its latest row.
+    def save_document(self, row: dict, layer_rows: list[dict], frontier_rows: Optional[list[dict]] = None) -> int:
+        """Store one document × variant, its per-layer rows and (a full variant's) frontier rows atomically.
 
-        An earlier try of the same work (same ``doc_key``) is replaced; earlier rows
-        of the same document and variant stay as history (``is_latest = 0``).
+        An earlier try of the same work (same ``doc_key``) is replaced, with its
+        layer and frontier rows; earlier rows of the same document and variant stay
+        as history (``is_latest = 0``).
         """
         with self._write():
             old = self.db.execute("select id from documents where doc_key = ?", [row["doc_key"]]).fetchone()
             if old:
                 self.db.execute("delete from layer_stats where document_row = ?", [old[0]])
                 self.db.execute("delete from documents where id = ?", [old[0]])
+                self.db.execute("delete from frontier where doc_key = ?", [row["doc_key"]])
+            if frontier_rows:
+                keys = {k: row[k] for k in ("run_id", "doc_key", "document_id", "prompt_hash", "settings_hash")}
+                self.db["frontier"].insert_all([{**keys, **point, "created_at": now()} for point in frontier_rows])
             document_row = self.db["documents"].insert({**row, "created_at": now(), "is_latest": 1}).last_pk
             self._make_latest(document_row, row["document_id"], row["variant"])
             if layer_rows:

@@ -134,6 +134,27 @@ def test_variants_sharing_one_reading_store_what_they_store_one_at_a_time(job, t
     assert rows(alone, "select count(reading_seconds) from documents") == [(0,)]
 
 
+def test_the_frontier_measures_every_policy_at_every_budget_from_the_same_reading(job, tmp_path):
+    write_corpus(tmp_path / "corpus.parquet", n=3)
+    path = job(frontier={"budgets": [8, 24, "50%"]})
+    assert invoke("run", path, "-q").exit_code == 0
+    db = tmp_path / "store.db"
+    assert rows(db, "select count(*), count(distinct doc_key || variant || budget) from frontier") == [(18, 18)]
+    # at a variant's own budget the frontier point is that variant's own row
+    same = rows(db, """select count(*) from frontier f join documents d on d.document_id = f.document_id
+                       and d.variant = f.variant and f.budget = '24'
+                       where f.agreement_vs_full = d.agreement_vs_full and f.kept_bytes = d.kept_bytes
+                       and abs(f.nll_gap_vs_full - d.nll_gap_vs_full) < 1e-5""")  # forced in another batch
+    assert same == [(6,)]
+    summary = rows(db, "select variant, budget, documents from frontier_summary order by variant, mean_kept_share")
+    assert summary == [("pyramid", "8", 3), ("pyramid", "24", 3), ("pyramid", "50%", 3),
+                       ("squeeze", "8", 3), ("squeeze", "24", 3), ("squeeze", "50%", 3)]
+    shares = rows(db, "select budget, avg(kept_share) from frontier where variant = 'pyramid' group by 1 order by 2")
+    assert [b for b, _ in shares] == ["8", "24", "50%"] and all(0 < s <= 1 for _, s in shares)
+    assert invoke("run", path, "-q", "--force").exit_code == 0
+    assert rows(db, "select count(*) from frontier") == [(18,)], "a rerun replaces, never adds"
+
+
 def test_peak_memory_does_not_count_the_other_rows_of_a_batch(job, tmp_path):
     """A row's ``peak_memory_bytes`` is its own: the same whether it decoded alone or fourth in a batch.
 
@@ -155,7 +176,7 @@ def test_peak_memory_does_not_count_the_other_rows_of_a_batch(job, tmp_path):
 def test_killed_run_resumes_with_nothing_lost_or_doubled(job, tmp_path):
     """Killed (kill -9) while a group of documents is in flight (they decode in batches of 8)."""
     write_corpus(tmp_path / "corpus.parquet", n=40)
-    path = job({"generation": {"max_tokens": 24}})
+    path = job({"generation": {"max_tokens": 24}}, frontier={"budgets": [8, "50%"]})
     db = tmp_path / "store.db"
     env = {**os.environ, "VELOX_BLAS": "reference"}
     process = subprocess.Popen(
@@ -174,6 +195,8 @@ def test_killed_run_resumes_with_nothing_lost_or_doubled(job, tmp_path):
     assert rows(db, "select count(*), count(distinct doc_key) from documents") == [(120, 120)]
     assert rows(db, "select count(*) from documents where status != 'done'") == [(0,)]
     assert rows(db, "select count(*) from layer_stats") == [(120 * 4,)]
+    frontier = "select count(*), count(distinct doc_key || variant || budget) from frontier"
+    assert rows(db, frontier) == [(40 * 2 * 2, 40 * 2 * 2)], "every document's frontier, once"
     assert rows(db, "select id, status from runs order by id") == [(1, "interrupted"), (2, "done")]
     # the killed run ended when it stored its last document, not when the next run started
     assert rows(db, "select ended_at from runs where id = 1") == [("2001-01-01T00:00:00+00:00",)]

@@ -18,7 +18,8 @@ from pipeline.spec import load_spec
 from pipeline.store import Store
 
 CHARTS = [
-    "chart-layer-budgets", "chart-concentration", "chart-bytes", "chart-fidelity", "chart-prefill", "chart-history",
+    "chart-layer-budgets", "chart-concentration", "chart-bytes", "chart-fidelity", "chart-frontier", "chart-prefill",
+    "chart-history",
 ]
 VOID = {"meta", "br", "hr", "img", "input", "link", "col", "area", "base", "wbr", "source"}
 
@@ -98,6 +99,7 @@ def write_job(tmp_path, model_dir, ids, texts, variants=None):
         ],
         "limits": {"max_prompt_tokens": 400, "on_too_long": "skip"},
         "output": {"db": str(tmp_path / "store.db")},
+        "frontier": {"budgets": [8, 16, "50%"]},
     }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -148,7 +150,16 @@ def test_every_chart_is_present_with_title_labels_and_legend(store_path):
     assert "bytes per document (" in text["chart-bytes"]
     assert "agreement" in text["chart-fidelity"] and "compression ratio" in text["chart-fidelity"]
     assert "prompt length (tokens)" in text["chart-prefill"] and "tokens/s" in text["chart-prefill"]
+    assert "share of the prompt kept" in text["chart-frontier"] and "agreement" in text["chart-frontier"]
     assert "decode (tokens/s)" in text["chart-history"] and "run (id and start date, UTC)" in text["chart-history"]
+
+
+def test_frontier_table_equals_the_store(store_path):
+    page = Page(build_report(store_path).html)
+    shown = [(r["variant"], r["budget"], int(r["documents"])) for r in page.records("frontier-summary")]
+    stored = query(store_path, "select variant, budget, documents from frontier_summary")
+    assert sorted(shown) == sorted(stored) and len(shown) == 6
+    assert {documents for _, _, documents in shown} == {4}, "every document that fits, once"
 
 
 def test_variant_table_equals_the_store(store_path):
@@ -265,7 +276,7 @@ def test_cli_writes_the_page_and_reports_errors(store_path, tmp_path):
     output = tmp_path / "out" / "report.html"
     result = invoke("report", "--db", store_path, "-o", output)
     assert result.exit_code == 0, result.output
-    assert "run 2 ->" in result.output and "(6 charts)" in result.output
+    assert "run 2 ->" in result.output and "(7 charts)" in result.output
     Page(output.read_text())
     older = invoke("report", "--db", store_path, "--run", 1, "-o", tmp_path / "one.html")
     assert older.exit_code == 0 and "run 1 ->" in older.output

@@ -186,6 +186,11 @@ class SharedReading:
         phases.tell(reading._full, phases.Phase.DECODE)
         return reading
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the recordings hold (the full stack is the full variant's own)."""
+        return sum(getattr(cache, "nbytes", 0) for stack in self._recordings for cache in stack)
+
     def full(self) -> list:
         """The full cache stack, as the full variant's own prefill leaves it (shared: decode a snapshot to keep it)."""
         return self._full
