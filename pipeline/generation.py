@@ -76,7 +76,9 @@ class GenerationResult:
     def totals(self) -> dict:
         kept = sum(row["kept_bytes"] for row in self.layer_stats)
         full = sum(row["full_seq_bytes"] for row in self.layer_stats)
-        return {"kept_bytes": kept, "full_seq_bytes": full, "compression_ratio": full / kept if kept else None}
+        spare = sum(row.get("spare_bytes") or 0 for row in self.layer_stats)
+        ratio = full / kept if kept else None
+        return {"kept_bytes": kept, "spare_bytes": spare, "full_seq_bytes": full, "compression_ratio": ratio}
 
 
 @dataclass
@@ -239,7 +241,11 @@ def frontier_rows(model, run: PrefilledVariant, points: list, reference: Referen
     """
     reading, run.reading = run.reading, None
     prompt_tokens = reading.prompt_tokens
-    stacks = [reading.derive(config) for _, _, config in points]
+    stacks, cut_seconds = [], []
+    for _, _, config in points:
+        start = time.perf_counter()
+        stacks.append(reading.derive(config))
+        cut_seconds.append(time.perf_counter() - start)
     del reading
     choices = [TokenChoice(settings, run.row.sampler.prompt) for _ in points]
     with attention_routing(model, [config for _, _, config in points]):
@@ -247,7 +253,7 @@ def frontier_rows(model, run: PrefilledVariant, points: list, reference: Referen
             model, [(stack, run.first_logprobs, reference, choice) for stack, choice in zip(stacks, choices)]
         )
     rows = []
-    for (name, budget, config), stack, fidelity in zip(points, stacks, fidelities):
+    for (name, budget, config), stack, fidelity, cut in zip(points, stacks, fidelities, cut_seconds):
         layers = [_layer_row(i, cache) for i, cache in enumerate(stack)]
         kept = sum(row["kept_bytes"] for row in layers)
         full = sum(row["full_seq_bytes"] for row in layers)
@@ -262,6 +268,7 @@ def frontier_rows(model, run: PrefilledVariant, points: list, reference: Referen
             "compression_ratio": full / kept if kept else None,
             "agreement_vs_full": fidelity.agreement,
             "nll_gap_vs_full": fidelity.nll_gap,
+            "seconds": cut + fidelity.seconds,
         })
     return rows
 

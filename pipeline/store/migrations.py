@@ -320,6 +320,7 @@ def m011_frontier(db: sqlite_utils.Database) -> None:
             "compression_ratio": float,
             "agreement_vs_full": float,
             "nll_gap_vs_full": float,
+            "seconds": float,  # cutting its stack, and its share of the batched teacher forcing
             "created_at": str,
         },
         pk="id",
@@ -338,6 +339,16 @@ def m011_frontier(db: sqlite_utils.Database) -> None:
         from frontier group by variant, method, budget order by variant, mean_kept_share
         """,
     )
+
+
+@migration
+def m012_spare_bytes(db: sqlite_utils.Database) -> None:
+    """Buffer room allocated ahead and holding no token (a full cache's growth steps), apart from ``kept_bytes``.
+
+    ``kept_bytes`` counts the held tokens only from here on, so a full cache's ratio is 1.0.
+    """
+    db["documents"].add_column("spare_bytes", int)
+    db["layer_stats"].add_column("spare_bytes", int)
 
 
 def migrate(db: sqlite_utils.Database, *, transaction: Optional[Callable] = None) -> list[str]:

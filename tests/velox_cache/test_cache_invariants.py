@@ -127,13 +127,25 @@ def test_kept_bytes_is_the_nbytes_of_what_is_held(method, scoring):
     cache = KVCacheFactory.create(KVCacheConfig(**POLICY_CONFIGS[method], budget=16, scoring=scoring))
 
     def check(cache, *_):
-        assert cache.kept_bytes == cache.keys.nbytes + cache.values.nbytes == cache.nbytes
+        held = cache.slots.stored
+        assert cache.kept_bytes == cache.keys[:, :, :held].nbytes + cache.values[:, :, :held].nbytes
+        assert cache.kept_bytes + cache.spare_bytes == cache.keys.nbytes + cache.values.nbytes == cache.nbytes
         assert cache.full_seq_bytes == cache.offset * B * H * 2 * D * cache.keys.itemsize
         assert cache.tokens_seen == cache.offset * B * H
 
     drive(cache, [40, 9], 30, scoring, check)
     assert cache.compression_ratio == pytest.approx(cache.full_seq_bytes / cache.kept_bytes)
     assert cache.compression_ratio > 3
+
+
+def test_a_full_cache_keeps_every_token_at_a_ratio_of_one_its_growth_room_apart():
+    cache = KVCacheFactory.create(KVCacheConfig(method="full"))
+    keys = mx.random.normal((B, H, 300, D))  # mlx-lm's KVCache grows by 256: room for 512
+    cache.update_and_fetch(keys, keys)
+    assert cache.keys.shape[2] == 512 and cache.offset == 300
+    assert cache.kept_bytes == keys.nbytes * 2 == cache.full_seq_bytes and cache.compression_ratio == 1.0
+    assert cache.spare_bytes == 212 * B * H * D * 4 * 2 and cache.nbytes == cache.kept_bytes + cache.spare_bytes
+    assert cache.stats()["spare_bytes"] == cache.spare_bytes
 
 
 def _context(model, scoring):

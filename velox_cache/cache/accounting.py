@@ -22,11 +22,22 @@ class CacheAccounting:
         return self.keys.shape[1]
 
     @property
+    def held_slots(self) -> int:
+        """Slots of the key buffer's token axis that hold a token (the rest is room to grow into)."""
+        return self.keys.shape[2]
+
+    @property
     def kept_bytes(self) -> int:
-        """Bytes of the key and value arrays this cache actually holds (``nbytes``)."""
-        if self.keys is None:
+        """Bytes of the keys and values of the tokens held: the buffers' ``nbytes`` per slot x ``held_slots``."""
+        if self.keys is None or not self.keys.shape[2]:
             return 0
-        return self.keys.nbytes + self.values.nbytes
+        per_slot = (self.keys.nbytes + self.values.nbytes) // self.keys.shape[2]
+        return per_slot * self.held_slots
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes of buffer slots allocated ahead and holding no token yet (``nbytes - kept_bytes``)."""
+        return self.nbytes - self.kept_bytes
 
     @property
     def full_seq_bytes(self) -> int:
@@ -53,8 +64,10 @@ class CacheAccounting:
 
     @property
     def nbytes(self) -> int:
-        """mlx-lm's cache size protocol: the bytes held."""
-        return self.kept_bytes
+        """mlx-lm's cache size protocol: the bytes of the buffers held, spare room included."""
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
 
     def stats(self) -> dict:
         """One row of per-layer accounting (what the job runner stores)."""
@@ -68,6 +81,7 @@ class CacheAccounting:
             "tokens_seen": self.tokens_seen,
             "tokens_kept": self.tokens_kept,
             "kept_bytes": self.kept_bytes,
+            "spare_bytes": self.spare_bytes,
             "full_seq_bytes": self.full_seq_bytes,
             "compression_ratio": self.compression_ratio,
             "concentration": self.concentration,
@@ -106,6 +120,7 @@ def layer_stats(index: int, cache) -> dict:
             "tokens_seen": None,
             "tokens_kept": None,
             "kept_bytes": held,
+            "spare_bytes": 0,
             "full_seq_bytes": held,
             "compression_ratio": 1.0,
             "concentration": None,

@@ -307,6 +307,7 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
     values = property(lambda self: self.slots.values, doc="Value buffer ``[B, H, T, D]``.")
     scores = property(lambda self: self.slots.scores, doc="Ranking scores ``[B, H, T]`` (higher = keep).")
     positions = property(lambda self: self.slots.positions, doc="The position each slot's key is rotated at ``[B, H, T]``.")
+    held_slots = property(lambda self: self.slots.stored, doc="Buffer slots holding a token (all heads' under per-head budgets).")
     tokens_kept = property(
         lambda self: self.slots.kept_per_head, doc="Tokens currently held per head (the mean, under per-head budgets)."
     )

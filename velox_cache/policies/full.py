@@ -28,6 +28,11 @@ class FullKVCache(CacheAccounting, KVCache):
         return self.offset
 
     @property
+    def held_slots(self) -> int:
+        """The tokens seen: the rest of the buffer is mlx-lm's room to grow (``spare_bytes``), not kept."""
+        return self.offset
+
+    @property
     def tokens_kept(self) -> int:
         return self.offset
 
