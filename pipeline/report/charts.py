@@ -203,16 +203,20 @@ def frontier_chart(frontier: list[dict], own_budgets: dict, colours: dict):
     """
     figure, (ax,) = _new_figure(6.5, 3.8)
     for variant, points in _by_variant(frontier).items():
-        shares = [100 * p["mean_kept_share"] for p in points]
+        shares = [100 * p["kept_share"] for p in points]
         agreements = [p["mean_agreement"] for p in points]
         ax.plot(shares, agreements, "o-", markersize=4, color=colours[variant], label=variant)
         for share, agreement, point in zip(shares, agreements, points):
             ax.annotate(point["budget"], (share, agreement), textcoords="offset points", xytext=(3, -9), fontsize=7)
             if point["budget"] == own_budgets.get(variant):
                 ax.plot([share], [agreement], "o", markersize=11, markerfacecolor="none", color=colours[variant])
+    from matplotlib.ticker import FormatStrFormatter
+
     ax.set_xscale("log")
-    ax.set_title("Compression frontier: agreement at every budget (ringed: the variant's own)")
-    ax.set_xlabel("share of the prompt kept (%, mean over documents)")
+    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    ax.set_title("Compression frontier (ringed: each variant's own budget)")
+    ax.set_xlabel("share of the prompts' keys and values kept (%, all documents)")
     ax.set_ylabel("mean teacher-forced agreement\nwith the full cache (0–1)")
     ax.set_ylim(-0.02, 1.05)
     ax.grid(alpha=0.3)

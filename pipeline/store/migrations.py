@@ -300,7 +300,8 @@ def m011_frontier(db: sqlite_utils.Database) -> None:
     """The compression frontier: each compressed variant's policy at every ``frontier.budgets`` budget, per document.
 
     One row per full-variant row (``doc_key``) x variant x budget, from the document's shared reading;
-    ``frontier_summary``: per variant and budget, documents, mean and worst agreement, mean ratio and share kept.
+    ``frontier_summary``: per variant and budget, documents, the share of all their prompts' bytes kept and the
+    mean per document, mean and worst agreement, mean NLL gap and ratio.
     """
     db["frontier"].create(
         {
@@ -331,12 +332,13 @@ def m011_frontier(db: sqlite_utils.Database) -> None:
         "frontier_summary",
         """
         select variant, method, budget, count(*) as documents,
+               round(sum(kept_bytes) * 1.0 / sum(full_seq_bytes), 4) as kept_share,
                round(avg(kept_share), 4) as mean_kept_share,
                round(avg(agreement_vs_full), 3) as mean_agreement_vs_full,
                round(min(agreement_vs_full), 3) as worst_agreement_vs_full,
                round(avg(nll_gap_vs_full), 3) as mean_nll_gap_vs_full,
                round(avg(compression_ratio), 2) as mean_compression_ratio
-        from frontier group by variant, method, budget order by variant, mean_kept_share
+        from frontier group by variant, method, budget order by variant, kept_share
         """,
     )
 

@@ -212,17 +212,19 @@ def report_layers(path, run_id: int) -> list[dict]:
 
 def report_frontier(path, job_name: str) -> list[dict]:
     """The compression frontier of a job's latest full-variant rows: per variant and budget, the documents,
-    mean share of the prompt kept, mean and worst agreement, mean compression ratio (by share kept)."""
+    the share of their prompts' bytes kept (all together, and the mean per document), mean and worst
+    agreement, mean compression ratio (by share kept)."""
     if not _read_dicts(path, "select 1 from sqlite_master where type = 'table' and name = 'frontier'"):
         return []
     return _read_dicts(
         path,
-        "select f.variant, f.method, f.budget, count(*) as documents, avg(f.kept_share) as mean_kept_share, "
+        "select f.variant, f.method, f.budget, count(*) as documents, "
+        "sum(f.kept_bytes) * 1.0 / sum(f.full_seq_bytes) as kept_share, avg(f.kept_share) as mean_kept_share, "
         "avg(f.agreement_vs_full) as mean_agreement, min(f.agreement_vs_full) as worst_agreement, "
         "avg(f.compression_ratio) as mean_compression_ratio "
         "from frontier f join documents d on d.doc_key = f.doc_key join runs r on r.id = d.run_id "
         "where r.job_name = ? and d.is_latest = 1 "
-        "group by f.variant, f.method, f.budget order by f.variant, mean_kept_share",
+        "group by f.variant, f.method, f.budget order by f.variant, kept_share",
         [job_name],
     )
 

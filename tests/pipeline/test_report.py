@@ -150,7 +150,7 @@ def test_every_chart_is_present_with_title_labels_and_legend(store_path):
     assert "bytes per document (" in text["chart-bytes"]
     assert "agreement" in text["chart-fidelity"] and "compression ratio" in text["chart-fidelity"]
     assert "prompt length (tokens)" in text["chart-prefill"] and "tokens/s" in text["chart-prefill"]
-    assert "share of the prompt kept" in text["chart-frontier"] and "agreement" in text["chart-frontier"]
+    assert "share of the prompts' keys and values kept" in text["chart-frontier"] and "agreement" in text["chart-frontier"]
     assert "decode (tokens/s)" in text["chart-history"] and "run (id and start date, UTC)" in text["chart-history"]
 
 
