@@ -66,16 +66,21 @@ def short_context_model(tmp_path_factory):
     return directory
 
 
-@pytest.mark.parametrize("on_too_long", ["skip", "truncate"])
-def test_streaming_variants_read_documents_past_the_context_and_full_skips_them(
-    job, tmp_path, short_context_model, on_too_long
-):
+def _short_and_long_corpus(tmp_path) -> None:
+    """A document that fits a 160-position context and one that does not."""
     table = pa.table({
         "id": ["short", "long"],
         "text": ["A short note on caches.", "Long documents are read chunk by chunk in bounded memory. " * 8],
         "topic": ["caches", "caches"],
     })
     pq.write_table(table, tmp_path / "corpus.parquet")
+
+
+@pytest.mark.parametrize("on_too_long", ["skip", "truncate"])
+def test_streaming_variants_read_documents_past_the_context_and_full_skips_them(
+    job, tmp_path, short_context_model, on_too_long
+):
+    _short_and_long_corpus(tmp_path)
     path = job(
         {
             "generation": {"max_tokens": 6, "prefill_step_size": 16},
@@ -120,12 +125,7 @@ def test_streaming_variants_read_documents_past_the_context_and_full_skips_them(
 
 
 def test_eviction_auto_reads_what_fits_once_with_the_full_cache_and_streams_the_rest(job, tmp_path, short_context_model):
-    table = pa.table({
-        "id": ["short", "long"],
-        "text": ["A short note on caches.", "Long documents are read chunk by chunk in bounded memory. " * 8],
-        "topic": ["caches", "caches"],
-    })
-    pq.write_table(table, tmp_path / "corpus.parquet")
+    _short_and_long_corpus(tmp_path)
     path = job(
         {
             "generation": {"max_tokens": 6, "prefill_step_size": 16},
