@@ -151,11 +151,7 @@ def prefill_variant(
     prompt_tokens = prompt.tokens
     caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(prompt_tokens))
     sampler = TokenChoice(settings, prompt_tokens)
-    _settle_memory()
-    mx.clear_cache()
-    held_before = mx.get_active_memory()  # the weights, and whatever other documents' rows hold now
-    mx.reset_peak_memory()
-    with attention_routing(model, [config]):
+    with OwnPeak() as peak, attention_routing(model, [config]):
         start = time.perf_counter()
         logits = prefill_phases(
             model,
@@ -174,7 +170,7 @@ def prefill_variant(
         config,
         prompt_tokens=len(prompt_tokens),
         prefill_seconds=prefill_seconds,
-        prefill_peak_bytes=mx.get_peak_memory() - held_before,
+        prefill_peak_bytes=peak.bytes,
         first_logprobs=first_logprobs,
         reference=reference,
         prefill_end=snapshot(caches) if reference is not None else None,
@@ -196,18 +192,14 @@ def prefill_shared(
     ``also_read``: configs to cut later (``frontier_rows``); the first run then keeps
     the reading (``reading``) until it is done with.
     """
-    _settle_memory()
-    mx.clear_cache()
-    held_before = mx.get_active_memory()
-    mx.reset_peak_memory()
-    start = time.perf_counter()
-    reading = SharedReading.prefill(
-        model, [*configs, *also_read], prefix=prompt.prefix, document=prompt.document,
-        instruction=prompt.instruction, chunk_size=settings.prefill_step_size, max_new_tokens=settings.max_tokens,
-    )
-    mx.eval(reading.logits)
-    reading_seconds = time.perf_counter() - start
-    reading_peak = mx.get_peak_memory() - held_before
+    with OwnPeak() as peak:
+        start = time.perf_counter()
+        reading = SharedReading.prefill(
+            model, [*configs, *also_read], prefix=prompt.prefix, document=prompt.document,
+            instruction=prompt.instruction, chunk_size=settings.prefill_step_size, max_new_tokens=settings.max_tokens,
+        )
+        mx.eval(reading.logits)
+        reading_seconds = time.perf_counter() - start
     eos = frozenset(tokenizer.eos_token_ids)
     runs = []
     for index, config in enumerate(configs):
@@ -222,7 +214,7 @@ def prefill_shared(
             config,
             prompt_tokens=len(prompt.tokens),
             prefill_seconds=seconds,
-            prefill_peak_bytes=reading_peak,
+            prefill_peak_bytes=peak.bytes,
             first_logprobs=first_logprobs,
             prefill_end=None if config.method == "full" else snapshot(caches),
             reading_seconds=reading_seconds,
@@ -273,10 +265,24 @@ def frontier_rows(model, run: PrefilledVariant, points: list, reference: Referen
     return rows
 
 
-def _settle_memory() -> None:
-    """Before a peak is measured: nothing of other documents still computing, or waiting to be collected."""
-    gc.collect()
-    mx.synchronize()
+class OwnPeak:
+    """``with OwnPeak() as peak:`` the block's peak memory above what the process held when it began (``peak.bytes``).
+
+    Before it: nothing of other documents still computing or waiting to be collected,
+    and MLX's buffer cache emptied, so that the figure is the block's own wherever it runs.
+    """
+
+    def __enter__(self) -> "OwnPeak":
+        gc.collect()
+        mx.synchronize()
+        mx.clear_cache()
+        self.held_before = mx.get_active_memory()  # the weights, and whatever other documents' rows hold now
+        mx.reset_peak_memory()
+        self.bytes = 0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bytes = mx.get_peak_memory() - self.held_before
 
 
 def generate_together(model, tokenizer, runs: list[PrefilledVariant], *, batch: bool = True) -> list[GenerationResult]:

@@ -36,7 +36,9 @@ class DecodeRow:
     """One prefilled sequence to decode, and what decoding it produced.
 
     ``logprobs`` ``[1, V]``: the next token's log-probabilities (the prefill's
-    last position, processed by the sampler's logits processors).
+    last position, processed by the sampler's logits processors); while rows
+    decode together the batch holds them as one ``[B, V]`` array, and a row that
+    leaves the batch carries its ``pending`` token instead.
     """
 
     caches: list
