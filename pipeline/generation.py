@@ -149,7 +149,7 @@ def prefill_variant(
         start, end = document_span or (0, None)
         prompt = Prompt(list(prompt), document_start=start, document_end=end)
     prompt_tokens = prompt.tokens
-    caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(prompt_tokens))
+    caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(prompt_tokens), new_tokens=settings.max_tokens)
     sampler = TokenChoice(settings, prompt_tokens)
     with OwnPeak() as peak, attention_routing(model, [config]):
         start = time.perf_counter()
@@ -161,6 +161,7 @@ def prefill_variant(
             instruction=prompt.instruction,
             chunk_size=settings.prefill_step_size,
             max_new_tokens=settings.max_tokens,
+            stop_tokens=frozenset(tokenizer.eos_token_ids),
         )
         first_logprobs = sampler.logprobs(logits)
         prefill_seconds = time.perf_counter() - start
@@ -197,6 +198,7 @@ def prefill_shared(
         reading = SharedReading.prefill(
             model, [*configs, *also_read], prefix=prompt.prefix, document=prompt.document,
             instruction=prompt.instruction, chunk_size=settings.prefill_step_size, max_new_tokens=settings.max_tokens,
+            stop_tokens=frozenset(tokenizer.eos_token_ids),
         )
         mx.eval(reading.logits)
         reading_seconds = time.perf_counter() - start

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .budgets.allocators import PromptSize
 from .cache.model_caches import (
     UnsupportedModelError,
     architecture_name,
@@ -38,7 +39,9 @@ class KVCacheBuilder:
     """Per-layer cache stacks for mlx-lm models."""
 
     @staticmethod
-    def for_model(model, config: KVCacheConfig, *, prompt_tokens: int | None = None) -> list:
+    def for_model(
+        model, config: KVCacheConfig, *, prompt_tokens: int | None = None, new_tokens: int | None = None
+    ) -> list:
         """A fresh cache list for ``model`` (pass it as ``prompt_cache=``).
 
         Asks the model what each layer needs (``model.make_cache()`` where
@@ -53,7 +56,9 @@ class KVCacheBuilder:
         The policy's allocator gives each layer its budget (PyramidKV's
         taper) and the object its layers share (squeeze's coordinator).
         ``prompt_tokens`` (the prompt's length) resolves a percentage budget
-        such as ``"25%"``.
+        such as ``"25%"`` and, with ``new_tokens`` (how many will be generated;
+        None: unknown), fits the per-layer budgets to the prompt
+        (``config.fit_budgets``, ``velox_cache.budgets.schedules.fit_budgets``).
 
         Raises ``UnsupportedModelError`` naming the architecture when it has
         no layer to compress (``method='full'`` then returns the model's own
@@ -69,8 +74,11 @@ class KVCacheBuilder:
                 f"{architecture_name(model)} cannot be compressed by Velox: {refusal_reason(caches)}"
             )
         policy = POLICIES[config.method]
-        budgets = policy.allocator.layer_budgets(config, len(slots))
-        coordinator = policy.allocator.shared_coordinator(config, [s.index for s in slots]) if slots else None
+        size = None
+        if config.fit_budgets and prompt_tokens is not None and config.method != "full":
+            size = PromptSize(prompt_tokens, new_tokens, floor=config.n_sink + 1)
+        budgets = policy.allocator.layer_budgets(config, len(slots), size)
+        coordinator = policy.allocator.shared_coordinator(config, [s.index for s in slots], size) if slots else None
         shared = {} if coordinator is None else {"coordinator": coordinator}
         mask_record = SharedMaskRecord()
         for slot, budget in zip(slots, budgets):

@@ -138,6 +138,20 @@ class KVCacheConfig:
             ``budget * stream_headroom`` + chunk + probe during prefill. 1 by
             default (every probe evicts to the budget: the least memory); 2
             tracks the full cache closer on summaries (the main job's setting).
+        lookahead: tokens drafted greedily with the stack as it stands when
+            the prompt ends (nothing evicted yet under ``prefill_end``), whose
+            queries join the window that ranks the held tokens, then dropped:
+            decoding starts from the prompt's end as before (Lookahead Q-Cache,
+            SpecKV). Costs ``lookahead`` decode steps on the unevicted stack
+            (``velox_cache.stream_prefill`` drafts them; a shared reading drafts
+            once for all its stacks). Needs a window ranking (``selection:
+            window`` or ``eviction: streaming``). 0: none.
+        fit_budgets: fit the per-layer budgets to the prompt when its length is
+            known (``KVCacheBuilder.for_model(..., prompt_tokens=N,
+            new_tokens=M)``): no layer gets more than the prompt plus the
+            tokens to generate, what that frees goes to the other layers at the
+            same total, and a prompt no longer than the budget is compressed by
+            no layer (``velox_cache.budgets.schedules.fit_budgets``).
     """
 
     method: str = "pyramidkv"
@@ -157,6 +171,8 @@ class KVCacheConfig:
     head_budgets: Optional[str] = None
     head_floor: float = 0.2
     stream_headroom: float = 1.0
+    lookahead: int = 0
+    fit_budgets: bool = True
 
     def __post_init__(self):
         _check_choice("method", self.method, METHODS)
@@ -178,6 +194,9 @@ class KVCacheConfig:
         _check_choice("head_budgets", self.head_budgets, HEAD_BUDGETS, optional=True)
         _check_number("head_floor", self.head_floor, 0.0, 1.0)
         _check_number("stream_headroom", self.stream_headroom, 1.0)
+        _check_int("lookahead", self.lookahead, 0)
+        if not isinstance(self.fit_budgets, bool):
+            raise ConfigError(f"fit_budgets: expected true or false, got {self.fit_budgets!r}")
         if self.head_budgets == "adaptive" and self.scoring == "key_proxy":
             raise ConfigError(
                 "head_budgets: 'adaptive' ranks each head's tokens by the real queries' attention; "

@@ -11,9 +11,26 @@ before the first selection (``settle``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
-from .schedules import pyramid_budgets
+from .schedules import fit_budgets, pyramid_budgets
+
+
+@dataclass(frozen=True)
+class PromptSize:
+    """The one prompt a stack's budgets are fitted to (``fit_budgets``): its tokens and those to generate.
+
+    ``new_tokens`` None: unknown (no layer's budget is capped). ``floor``: the
+    least budget a layer may get (``n_sink + 1``).
+    """
+
+    prompt_tokens: int
+    new_tokens: Optional[int] = None
+    floor: int = 1
+
+    def fit(self, budgets: list) -> list:
+        return [max(self.floor, b) for b in fit_budgets(budgets, self.prompt_tokens, self.new_tokens)]
 
 
 class UniformBudget:
@@ -25,12 +42,19 @@ class UniformBudget:
         self.config = config
 
     @staticmethod
-    def layer_budgets(config, n_layers: int) -> list:
-        """Per-layer budgets for a stack of ``n_layers`` compressed layers (None: the config's budget)."""
-        return [None] * n_layers
+    def layer_budgets(config, n_layers: int, size: Optional[PromptSize] = None) -> list:
+        """Per-layer budgets for a stack of ``n_layers`` compressed layers (None: the config's budget).
+
+        ``size``: the prompt to fit them to (``PromptSize.fit``; None: not fitted).
+        Uniform budgets are capped at what a layer can hold; nothing else changes.
+        """
+        if size is None or not n_layers:
+            return [None] * n_layers
+        fitted = size.fit([config.budget] * n_layers)
+        return [None if b == config.budget else b for b in fitted]
 
     @staticmethod
-    def shared_coordinator(config, layer_ids: list):
+    def shared_coordinator(config, layer_ids: list, size: Optional[PromptSize] = None):
         """The object the stack's layers share (None: they need none)."""
         return None
 
@@ -68,7 +92,8 @@ class PyramidBudget(UniformBudget):
     name = "pyramid"
 
     @staticmethod
-    def layer_budgets(config, n_layers: int) -> list:
+    def layer_budgets(config, n_layers: int, size: Optional[PromptSize] = None) -> list:
         if not n_layers:
             return []
-        return pyramid_budgets(n_layers, config.budget, config.n_sink, config.beta)
+        budgets = pyramid_budgets(n_layers, config.budget, config.n_sink, config.beta)
+        return budgets if size is None else size.fit(budgets)

@@ -12,7 +12,8 @@ class SqueezeCoordinator:
 
     The first layer to reach the end of prefill calls ``publish``: by then
     every layer has measured the whole prompt. The schedule is frozen
-    afterwards. ``layer_ids`` names the layers it coordinates (default
+    afterwards; with a ``size`` (``allocators.PromptSize``) it is fitted to
+    that prompt (``fit_budgets``). ``layer_ids`` names the layers it coordinates (default
     ``0 .. n_layers - 1``); ``KVCacheBuilder.for_model`` passes the indices
     of the compressed layers in the model's cache list.
     """
@@ -25,6 +26,7 @@ class SqueezeCoordinator:
         strength: float = 0.5,
         *,
         layer_ids: Optional[Sequence[int]] = None,
+        size=None,
     ):
         self.layer_ids = list(range(n_layers)) if layer_ids is None else list(layer_ids)
         if len(self.layer_ids) != n_layers or len(set(self.layer_ids)) != n_layers:
@@ -33,6 +35,7 @@ class SqueezeCoordinator:
         self.avg = avg
         self.n_sink = n_sink
         self.strength = strength
+        self.size = size  # a ``PromptSize``: the schedule is fitted to that prompt (None: not fitted)
         self._layers: dict = {}
         self.budgets: Optional[list[int]] = None
         self.concentrations: Optional[list[float]] = None
@@ -63,7 +66,8 @@ class SqueezeCoordinator:
         if missing:
             raise RuntimeError(f"squeeze schedule needs every layer; layers {missing} never registered")
         self.concentrations = [self._layers[i].concentration for i in self.layer_ids]
-        self.budgets = squeeze_budgets(self.concentrations, self.avg, self.n_sink, self.strength)
+        budgets = squeeze_budgets(self.concentrations, self.avg, self.n_sink, self.strength)
+        self.budgets = budgets if self.size is None else self.size.fit(budgets)
         return self.budgets
 
     def budget(self, layer_id: int) -> int:

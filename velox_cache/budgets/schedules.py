@@ -1,11 +1,14 @@
 """Per-layer budget allocators: pure functions, lists in, ints out.
 
-Both keep the mean budget exactly at ``avg`` and never go below ``n_sink + 1``.
+``pyramid_budgets`` and ``squeeze_budgets`` keep the mean budget exactly at
+``avg`` and never go below ``n_sink + 1``; ``fit_budgets`` then fits any
+schedule to one prompt at the same total.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Optional, Sequence
 
 
 def _allocate(weights: Sequence[float], avg: int, floor: int) -> list[int]:
@@ -86,3 +89,52 @@ def squeeze_budgets(
 def squeeze_budget_cap(n_layers: int, avg: int, strength: float) -> int:
     """The largest budget ``squeeze_budgets`` can give any layer (before rounding up by one)."""
     return int(avg * ((1 - strength) + strength * n_layers)) + 1
+
+
+def fit_budgets(budgets: Sequence[int], prompt_tokens: int, new_tokens: Optional[int] = None) -> list[int]:
+    """``budgets`` fitted to one prompt: no layer gets more than it can hold, at the same total.
+
+    A layer holds at most ``prompt_tokens + new_tokens`` tokens (the prompt and
+    what will be generated; no cap when ``new_tokens`` is None): budget above
+    that would sit unused, so it goes to the layers below the cap, in
+    proportion to their budgets. A prompt no longer than the mean budget is
+    compressed by no layer: each keeps at least the whole prompt, the layers
+    above paying for it in proportion. Otherwise no layer gets less than it
+    had. Budgets are ``clamp(c * budget, low, cap)`` with ``c`` found by
+    bisection, rounded so that the total stays; it drops only when every
+    layer is at the cap. The order of the budgets is kept.
+    """
+    n = len(budgets)
+    if n == 0:
+        return []
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
+        raise ValueError(f"budgets: expected positive integers, got {list(budgets)}")
+    if prompt_tokens < 0 or (new_tokens is not None and new_tokens < 0):
+        raise ValueError(f"prompt_tokens, new_tokens: must not be negative, got {prompt_tokens}, {new_tokens}")
+    total = sum(budgets)
+    cap = math.inf if new_tokens is None else max(1, prompt_tokens + new_tokens)
+    if n * cap <= total:
+        return [int(cap)] * n
+    low = prompt_tokens if prompt_tokens * n <= total else min(budgets)
+
+    def fitted(scale: float) -> list[float]:
+        return [min(cap, max(low, scale * b)) for b in budgets]
+
+    bottom, top = 0.0, float(total)
+    for _ in range(100):
+        middle = (bottom + top) / 2
+        if sum(fitted(middle)) > total:
+            top = middle
+        else:
+            bottom = middle
+    exact = fitted(bottom)
+    result = [int(b) for b in exact]
+    order = sorted(range(n), key=lambda i: (-budgets[i], i))
+    short = total - sum(result)
+    for i in order:
+        if short <= 0:
+            break
+        if result[i] < cap:
+            result[i] += 1
+            short -= 1
+    return result

@@ -81,6 +81,12 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
         self.slots = TokenSlots(self.signal, config.n_sink, config.recent_window)
         self.timing = make_timing(self.eviction, self.prefill_selection)
         self.selector = WindowSelector(config.window, config.kernel)
+        if config.lookahead and not self.timing.ranks_by_window:
+            raise ConfigError(
+                f"lookahead: drafted tokens join the window that ranks the prompt; {self.method} with eviction "
+                f"{self.eviction!r} and selection {self.prefill_selection!r} ranks by no window "
+                "(use selection 'window' or eviction 'streaming')"
+            )
         self.progress = LayerPhase()
         self.shared_mask = SharedMaskRecord()  # shared by a stack from ``KVCacheBuilder.for_model``
         LayerScoring.__init__(self)
@@ -164,9 +170,20 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
         if progress.in_probe and phase is not Phase.PROBE:
             self.end_probe()
         if phase is Phase.PROBE:
-            progress.start_probe(ProbeMark.of(self.slots))
+            self.begin_probe()
         elif progress.tell(phase):
             self._end_prefill()
+
+    def begin_probe(self, look_ahead: bool = False) -> None:
+        """The next calls are a probe, dropped by ``end_probe``; ``look_ahead``: drafted tokens.
+
+        A look-ahead's queries join the window that ranks the held tokens when
+        prefill ends (``velox_cache.cache.phases.look_ahead``); the window widens
+        by ``config.lookahead`` to hold them beside the prompt's own.
+        """
+        self.progress.start_probe(ProbeMark.of(self.slots), look_ahead=look_ahead)
+        if look_ahead and self.timing.ranks_by_window:
+            self.selector.widen(self.config.lookahead)
 
     def end_probe(self) -> None:
         """Drop the probe's keys and values (offset and accounting as before it).

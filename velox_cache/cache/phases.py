@@ -14,6 +14,8 @@ stack which one the next model calls belong to::
         model(instruction, cache=caches)
     phases.tell(caches, "instruction")
     logits = model(instruction, cache=caches)
+    with phases.look_ahead(caches):  # drafted tokens: their queries join the window, then dropped
+        model(draft_token, cache=caches)
     phases.tell(caches, "decode")    # prefill ends here: prefill-end policies compress now
 
 ``velox_cache.stream_prefill`` does all of this for one prompt. A stack that is
@@ -33,6 +35,8 @@ import contextlib
 import enum
 from dataclasses import dataclass
 from typing import Iterable, Optional
+
+from mlx_lm.models.cache import KVCache
 
 
 class Phase(str, enum.Enum):
@@ -83,6 +87,7 @@ class LayerPhase:
         self.prefilling = True
         self.told: Optional[Phase] = None  # None: never told (the end of prefill is inferred)
         self.probe: Optional[ProbeMark] = None
+        self.looking_ahead = False  # the running probe is a look-ahead: its queries join the window
         self.probe_scores = None  # [B, H, held before the probe]: the probe's pooled ranking
         self.state_read = False  # the cache's ``state`` was read since its last call (``starts_decoding``)
         self.singles_since_chunk = 0  # single-token calls since the last multi-token one
@@ -149,19 +154,20 @@ class LayerPhase:
         self.told = phase
         return phase is Phase.DECODE and self.prefilling
 
-    def start_probe(self, mark: ProbeMark) -> None:
-        """A probe starts; ``mark`` is what it must give back."""
+    def start_probe(self, mark: ProbeMark, look_ahead: bool = False) -> None:
+        """A probe starts; ``mark`` is what it must give back (``look_ahead``: drafted tokens, see ``look_ahead``)."""
         if not self.prefilling:
             raise ValueError("phase: a probe runs during prefill, not after decoding started")
         if self.probe is not None:
             raise ValueError("phase: a probe is already running; end it first")
-        self.probe, self.probe_scores = mark, None
+        self.probe, self.probe_scores, self.looking_ahead = mark, None, look_ahead
         self.told = self.told or Phase.DOCUMENT
 
     def finish_probe(self) -> tuple:
         """The probe ends: ``(mark, its ranking or None)``."""
         mark, scores = self.probe, self.probe_scores
         self.probe = self.probe_scores = None
+        self.looking_ahead = False
         return mark, scores
 
 
@@ -194,6 +200,11 @@ def wants_probe(caches: Iterable) -> bool:
     return any(getattr(cache, "uses_probes", False) for cache in leaves(caches))
 
 
+def look_ahead_steps(caches: Iterable) -> int:
+    """How many tokens to draft at the end of prefill: the most any cache's config asks for (``lookahead``)."""
+    return max((getattr(getattr(c, "config", None), "lookahead", 0) or 0 for c in leaves(caches)), default=0)
+
+
 @contextlib.contextmanager
 def probe(caches: list):
     """Run the block's model calls as a probe: scored, then dropped from every cache on exit.
@@ -204,24 +215,72 @@ def probe(caches: list):
     trimmed back; a stack with a cache that can drop nothing is refused
     before anything runs.
     """
+    with _dropped_afterwards(caches, look_ahead=False) as stack:
+        yield stack
+
+
+@contextlib.contextmanager
+def look_ahead(caches: list):
+    """Run the block's model calls (tokens drafted after the prompt) as a look-ahead, dropped on exit.
+
+    Like a probe, nothing the calls append stays; unlike one, their queries
+    join the window that ranks the held tokens when prefill ends (Lookahead
+    Q-Cache, SpecKV): the ranking sees what the answer's first tokens attend
+    to. Nothing is evicted or scored meanwhile. Caches whose selection is not
+    by a window only append and drop.
+    """
+    with _dropped_afterwards(caches, look_ahead=True) as stack:
+        yield stack
+
+
+@contextlib.contextmanager
+def _dropped_afterwards(caches: list, look_ahead: bool):
     stack = list(caches)
     for index, layer in enumerate(stack):
         for cache in leaves([layer]):
             if not knows_phases(cache) and not _trimmable(cache):
                 raise TypeError(f"caches[{index}]: {type(cache).__name__} cannot drop a probe's tokens")
     members = leaves(stack)
-    offsets = [None if knows_phases(c) else c.offset for c in members]
+    marks = [None if knows_phases(c) else _BufferMark.of(c) for c in members]
     for cache in members:
         if knows_phases(cache):
-            cache.begin_phase(Phase.PROBE)
+            cache.begin_probe(look_ahead=look_ahead)
     try:
         yield stack
     finally:
-        for cache, offset in zip(members, offsets):
+        for cache, mark in zip(members, marks):
             if knows_phases(cache):
                 cache.end_probe()
-            elif cache.offset > offset:
-                cache.trim(cache.offset - offset)
+            else:
+                mark.restore(cache)
+
+
+@dataclass(frozen=True)
+class _BufferMark:
+    """What a cache that knows no phases must give back: its offset and, for mlx-lm's ``KVCache``, its buffer.
+
+    Trimming moves the offset back; a ``KVCache``'s buffer is also cut to its
+    size before and the dropped slots zeroed, so that it is array for array
+    what it was (mlx-lm allocates its spare slots as zeros).
+    """
+
+    offset: int
+    capacity: Optional[int]
+
+    @classmethod
+    def of(cls, cache) -> "_BufferMark":
+        keys = getattr(cache, "keys", None) if isinstance(cache, KVCache) else None
+        return cls(cache.offset, None if keys is None else keys.shape[2])
+
+    def restore(self, cache) -> None:
+        if cache.offset > self.offset:
+            cache.trim(cache.offset - self.offset)
+        if self.capacity is None or cache.keys is None:
+            return
+        for name in ("keys", "values"):
+            buffer = getattr(cache, name)[..., : self.capacity, :]
+            buffer[..., self.offset :, :] = 0
+            setattr(cache, name, buffer)
 
 
 def _trimmable(cache) -> bool:

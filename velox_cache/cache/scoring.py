@@ -24,7 +24,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..kernels.attend import AttentionResult, attend_and_score
+from ..kernels.attend import AttentionResult
 from ..kernels.masks import MaskMismatchError, fit_mask, is_plain_causal
 from ..kernels.observe import is_observing, is_routed
 from .signals import fold_heads, key_proxy_attention
@@ -96,8 +96,11 @@ class LayerScoring:
         derived = keys.shape[1] != self.slots.keys.shape[1] or keys.shape[-1] != self.slots.keys.shape[-1]
         additive = isinstance(mask, mx.array) and mask.dtype != mx.bool_
         if derived or additive or sinks is not None:
-            if self._remembers_window():
+            rows = self._window_rows(n_queries)
+            if rows == n_queries:
                 self.selector.remember_attention(queries, keys, scale, mask, sinks, self.slots.keys.shape[1])
+            elif rows:  # a look-ahead call's first rows: its drafted tokens are single calls, mask-free
+                self.selector.remember_attention(queries[:, :, :rows], keys, scale, None, sinks, self.slots.keys.shape[1])
         else:
             self._remember_window(queries)
         if n_queries > 1 and self._evicting_now():
@@ -175,7 +178,7 @@ class LayerScoring:
     def _rows_for_scores(self, n_queries: int) -> int:
         """How many of this call's last query rows feed the token scores."""
         if self.progress.in_probe:
-            return n_queries if self.timing.uses_probes else 0
+            return n_queries if self.timing.uses_probes and not self.progress.looking_ahead else 0
         rows = self.signal.rows(n_queries)
         if rows and self.progress.prefilling and self.timing.ranks_by_window and not self.mass_weight:
             return 0  # the window (or a probe) decides; prefill chunks need no scores
@@ -213,13 +216,26 @@ class LayerScoring:
             # chunk is evaluated, only to be summed into these scores.
             mx.eval(self.slots.scores)
 
-    def _remembers_window(self) -> bool:
-        return self.progress.in_prefill_chunk and self.timing.ranks_by_window
+    def _window_rows(self, n_queries: int) -> int:
+        """How many of a call's ``n_queries`` (its first ones) the window remembers.
+
+        Every one of a prompt call's (the window keeps the latest); of a look-ahead's,
+        those among the first ``config.lookahead`` drafted tokens (a shared reading
+        drafts as many as its most demanding config asks for); none otherwise.
+        """
+        progress = self.progress
+        if not self.timing.ranks_by_window:
+            return 0
+        if progress.looking_ahead:
+            drafted_before = self.offset - n_queries - progress.probe.offset
+            return max(0, min(n_queries, self.config.lookahead - drafted_before))
+        return n_queries if progress.in_prefill_chunk else 0
 
     def _remember_window(self, queries: mx.array) -> None:
-        """Keep the latest ``window`` queries of the prompt for window-based selection."""
-        if self._remembers_window():
-            self.selector.remember(queries, self.offset - queries.shape[2])
+        """Keep the latest ``window`` queries of the prompt (and a look-ahead's drafted ones) for window-based selection."""
+        rows = self._window_rows(queries.shape[2])
+        if rows:
+            self.selector.remember(queries[:, :, :rows], self.offset - queries.shape[2])
 
     def _window_scale(self) -> Optional[float]:
         """The window queries' softmax scale: the one observed, else the model's (None: ``D ** -0.5``)."""

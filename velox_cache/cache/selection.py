@@ -38,6 +38,7 @@ class WindowSelector:
     def __init__(self, window: int, kernel: int):
         self.window = window
         self.kernel = kernel
+        self.extra = 0  # rows kept beyond ``window``: a look-ahead's drafted queries (``widen``)
         self.queries: Optional[mx.array] = None  # [B, H*R, W, D]
         self.positions: Optional[mx.array] = None  # [W], the position of each query
         self.mass: Optional[mx.array] = None  # [B, H, W, N]: each window row's attention, kept as computed
@@ -50,8 +51,18 @@ class WindowSelector:
     def ready(self) -> bool:
         return self.queries is not None or self.mass is not None
 
+    @property
+    def rows(self) -> int:
+        """How many of the latest queries are kept: the window and any look-ahead beyond it."""
+        return self.window + self.extra
+
     def clear(self) -> None:
         self.queries = self.positions = self.mass = None
+        self.extra = 0
+
+    def widen(self, rows: int) -> None:
+        """Keep ``rows`` more queries from now until ``clear``: drafted ones, added after the prompt's window."""
+        self.extra += rows
 
     def adopt(self, other: "WindowSelector") -> None:
         """Remember what ``other`` remembers (same ``window`` and ``kernel``), sharing no array with it."""
@@ -60,11 +71,12 @@ class WindowSelector:
         for name in ("queries", "positions", "mass"):
             value = getattr(other, name)
             setattr(self, name, None if value is None else mx.array(value))
+        self.extra = other.extra
 
     def remember(self, queries: mx.array, first_position: int) -> None:
         """Add a call's queries ``[B, H*R, S, D]`` at positions ``first_position ..``; keep the last ``window``."""
         self.mass = None
-        window = self.window
+        window = self.rows
         n_new = queries.shape[2]
         positions = mx.arange(first_position, first_position + n_new, dtype=mx.int32)
         if self.queries is None or n_new >= window:
@@ -76,7 +88,7 @@ class WindowSelector:
 
     def remember_attention(self, queries, keys, scale, mask, sinks, heads: int) -> None:
         """Keep the attention the call's last ``window`` queries paid each key, as computed, on ``heads`` heads."""
-        rows = min(self.window, queries.shape[2])
+        rows = min(self.rows, queries.shape[2])
         row_mask = mask
         if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] > 1:
             row_mask = mask[..., -rows:, :]
@@ -89,10 +101,10 @@ class WindowSelector:
         Earlier rows never saw this call's keys: they get zero mass there.
         """
         self.queries = self.positions = None
-        if self.mass is not None and row_mass.shape[2] < self.window:
+        if self.mass is not None and row_mass.shape[2] < self.rows:
             earlier = _pad_keys(self.mass, row_mass.shape[-1])
             row_mass = mx.concatenate([earlier, row_mass], axis=2)
-        self.mass = row_mass[:, :, -self.window :]
+        self.mass = row_mass[:, :, -self.rows :]
 
     def keep(self, indices: mx.array, n_slots: int) -> None:
         """The ``n_slots`` held slots became ``indices`` ``[B, H, K]`` of them: keep the kept mass in step."""

@@ -311,9 +311,10 @@ def batch_generate(
             for tokens, seed in zip(prompts[start : start + batch_size], seeds[start : start + batch_size]):
                 if not tokens:
                     raise ValueError(f"prompts[{len(rows) + len(group)}]: the prompt is empty")
-                caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(tokens))
+                caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(tokens), new_tokens=max_tokens)
                 logits = prefill_phases(
-                    model, caches, document=tokens, chunk_size=prefill_step_size, max_new_tokens=max_tokens
+                    model, caches, document=tokens, chunk_size=prefill_step_size, max_new_tokens=max_tokens,
+                    stop_tokens=eos,
                 )
                 sampler = TokenSampler(tokens, seed=seed, **sampling)
                 group.append(DecodeRow(caches, sampler, sampler.logprobs(logits), max_tokens, eos))

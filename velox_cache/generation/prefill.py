@@ -25,7 +25,7 @@ chunk) just before the next chunk arrives.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Collection, Optional, Sequence
 
 import mlx.core as mx
 
@@ -67,6 +67,7 @@ def prefill_phases(
     context_length: Optional[int] = None,
     after_call: Optional[Callable[[str, list], None]] = None,
     tell_decode: bool = True,
+    stop_tokens: Collection[int] = (),
 ) -> mx.array:
     """Prefill ``prefix + document + instruction`` into ``caches``; returns the last position's logits ``[1, V]``.
 
@@ -78,6 +79,11 @@ def prefill_phases(
     and after every probe is dropped (``"probe_dropped"``), for progress and
     checks. ``tell_decode=False`` stops before telling ``decode``: prefill has
     not ended (``velox_cache.generation.reading`` cuts stacks from it first).
+
+    Where a cache's config asks for a ``lookahead``, that many tokens are
+    drafted greedily after the prompt (``look_ahead``; ``stop_tokens`` end the
+    draft early) and dropped again: their queries join the window that ranks
+    the prompt when prefill ends. ``after_call`` then sees ``"look_ahead"``.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size: must be at least 1, got {chunk_size}")
@@ -104,17 +110,43 @@ def prefill_phases(
                 notify("probe", caches)
             mx.eval([c.state for c in caches])
             notify("probe_dropped", caches)
+    drafts = phases.look_ahead_steps(caches)
     if instruction:
         phases.tell(caches, Phase.INSTRUCTION)
-        positions.make_room(len(instruction) + max_new_tokens)
+        positions.make_room(len(instruction) + max(max_new_tokens, drafts))
         for begin in range(0, len(instruction), chunk_size):
             logits = _run(model, instruction[begin : begin + chunk_size], caches)
             notify("instruction", caches)
     mx.eval(logits)  # before decode begins: the last prompt token sees everything held
+    if drafts:
+        if not instruction:
+            positions.make_room(drafts)
+        look_ahead(model, caches, logits, drafts, stop_tokens=stop_tokens)
+        notify("look_ahead", caches)
     if tell_decode:
         phases.tell(caches, Phase.DECODE)
         mx.eval([c.state for c in caches])
     return logits
+
+
+def look_ahead(model, caches: list, logits: mx.array, steps: int, stop_tokens: Collection[int] = ()) -> list[int]:
+    """Draft up to ``steps`` greedy tokens after the prompt (``logits``: its last position's), then drop them.
+
+    Runs inside ``phases.look_ahead``: every cache appends the drafted tokens,
+    windows remember their queries, and on exit every cache is as the prompt
+    left it. Stops after a token of ``stop_tokens`` (its query still counts).
+    Returns the drafted tokens.
+    """
+    drafted: list[int] = []
+    with phases.look_ahead(caches):
+        for _ in range(steps):
+            token = int(mx.argmax(logits, axis=-1).item())
+            drafted.append(token)
+            logits = _run(model, [token], caches)
+            if token in stop_tokens:
+                break
+    mx.eval([c.state for c in caches])
+    return drafted
 
 
 def _run(model, tokens: list[int], caches: list) -> mx.array:

@@ -21,7 +21,7 @@ cannot be shared: such configs and models raise ``NotDerivable``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional, Sequence
+from typing import Collection, Iterable, Optional, Sequence
 
 import mlx.core as mx
 
@@ -57,7 +57,7 @@ def reading_recipe(config: KVCacheConfig) -> Optional[tuple]:
             f"eviction: {config.method} with {choices.eviction!r} evicts while reading, so its forward pass is "
             "its own; only prefill_end stacks can be cut from a shared reading"
         )
-    return (policy.signal, config.scoring, choices.selection, config.window, config.kernel, config.kv_dtype)
+    return (policy.signal, config.scoring, choices.selection, config.window, config.kernel, config.kv_dtype, config.lookahead)
 
 
 def _recording_config(configs: list[KVCacheConfig]) -> KVCacheConfig:
@@ -126,9 +126,10 @@ class SharedReading:
     ``logits`` ``[1, V]``: the prompt's last position, the same for every stack cut from it.
     """
 
-    def __init__(self, model, configs: Iterable[KVCacheConfig], prompt_tokens: int):
+    def __init__(self, model, configs: Iterable[KVCacheConfig], prompt_tokens: int, new_tokens: Optional[int] = None):
         self.model = model
         self.prompt_tokens = prompt_tokens
+        self.new_tokens = new_tokens  # what the cut stacks' budgets are fitted to, with the prompt
         self.configs = list(configs)
         groups: dict = {}
         for config in self.configs:
@@ -161,12 +162,15 @@ class SharedReading:
         chunk_size: int = 256,
         max_new_tokens: int = 0,
         context_length: Optional[int] = None,
+        stop_tokens: Collection[int] = (),
     ) -> "SharedReading":
         """Read ``prefix + document + instruction`` once for ``configs`` (any mix of ``full`` and prefill-end ones).
 
         Chunks and phases as ``prefill_phases``; the model's attention is routed by
         ``attention_routing`` for all of them. The prompt and ``max_new_tokens``
         must fit the model's context (a longer document streams: not derivable).
+        Where configs ask for a ``lookahead``, the full stack drafts the most any
+        asks for, once, and each recording's window takes its own config's share.
         """
         configs = list(configs)
         length = len(prefix) + len(document) + len(instruction)
@@ -176,12 +180,13 @@ class SharedReading:
                 f"prompt: {length} tokens and {max_new_tokens} to generate pass the model's context of {context}; "
                 "such a document is read by streaming, which cannot be shared"
             )
-        reading = cls(model, configs, prompt_tokens=length)
+        reading = cls(model, configs, prompt_tokens=length, new_tokens=max_new_tokens)
         layers = [_ReadingLayer([full, *recorded]) for full, *recorded in zip(reading._full, *reading._recordings)]
         with attention_routing(model, [FULL, *configs]):
             reading.logits = prefill_phases(
                 model, layers, prefix=prefix, document=document, instruction=instruction, chunk_size=chunk_size,
                 max_new_tokens=max_new_tokens, context_length=context_length, tell_decode=False,
+                stop_tokens=stop_tokens,
             )
         phases.tell(reading._full, phases.Phase.DECODE)
         return reading
@@ -209,7 +214,7 @@ class SharedReading:
                 f"config: {config.method} ranks by what this reading did not record; read it with this config"
             )
         recording = self._recordings[self._recipes.index(recipe)]
-        stack = KVCacheBuilder.for_model(self.model, config, prompt_tokens=self.prompt_tokens)
+        stack = KVCacheBuilder.for_model(self.model, config, prompt_tokens=self.prompt_tokens, new_tokens=self.new_tokens)
         for target, source in zip(phases.leaves(stack), phases.leaves(recording)):
             target.adopt_prefill(source)
         phases.tell(stack, phases.Phase.DECODE)

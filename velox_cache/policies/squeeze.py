@@ -6,7 +6,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..budgets.allocators import UniformBudget
+from ..budgets.allocators import PromptSize, UniformBudget
 from ..budgets.coordinator import SqueezeCoordinator
 from ..cache.base import EvictingKVCache
 from ..cache.signals import CumulativeMass
@@ -44,8 +44,10 @@ class SqueezeBudget(UniformBudget):
         self._entropy_rows = 0
 
     @staticmethod
-    def shared_coordinator(config, layer_ids: list) -> SqueezeCoordinator:
-        return SqueezeCoordinator(len(layer_ids), config.budget, config.n_sink, config.strength, layer_ids=layer_ids)
+    def shared_coordinator(config, layer_ids: list, size: Optional[PromptSize] = None) -> SqueezeCoordinator:
+        return SqueezeCoordinator(
+            len(layer_ids), config.budget, config.n_sink, config.strength, layer_ids=layer_ids, size=size
+        )
 
     def budget(self) -> int:
         if self.config.resolved_budget:

@@ -3,6 +3,7 @@
 import pytest
 
 from velox_cache import pyramid_budgets, squeeze_budgets
+from velox_cache.budgets.schedules import fit_budgets
 
 
 @pytest.mark.parametrize(
@@ -90,3 +91,52 @@ def test_squeeze_equal_concentrations_are_uniform():
 def test_squeeze_rejects_bad_input(kwargs, field):
     with pytest.raises(ValueError, match=field):
         squeeze_budgets(**kwargs)
+
+
+# ----- fit_budgets: budgets that fit one prompt ------------------------------------------
+
+PYRAMID_128 = pyramid_budgets(30, 128)
+
+
+@pytest.mark.parametrize(
+    "budgets, prompt, new, expected",
+    [
+        ([100, 60, 20], 50, 10, [60, 60, 60]),  # short prompt, tall budgets: each holds what it can, total drops
+        ([150, 100, 50], 200, 20, [150, 100, 50]),  # a long prompt: nothing to fit
+        ([150, 100, 50], 90, 30, [120, 90, 90]),  # prompt <= mean: every layer keeps it whole, the top pays
+        ([200, 100, 60], 130, 50, [180, 113, 67]),  # the cap frees 20, the others take it in proportion
+        ([128, 128], 100, None, [128, 128]),  # unknown new tokens: no cap
+        ([128, 128], 300, None, [128, 128]),
+    ],
+)
+def test_fit_budgets_values(budgets, prompt, new, expected):
+    assert fit_budgets(budgets, prompt, new) == expected
+
+
+@pytest.mark.parametrize("prompt", [20, 64, 110, 128, 150, 170, 292, 1000])
+@pytest.mark.parametrize("new", [0, 40, None])
+def test_fit_budgets_keeps_the_total_and_the_order_and_caps_every_layer(prompt, new):
+    fitted = fit_budgets(PYRAMID_128, prompt, new)
+    cap = float("inf") if new is None else prompt + new
+    assert all(isinstance(b, int) for b in fitted)
+    assert max(fitted) <= cap
+    assert sum(fitted) == min(sum(PYRAMID_128), 30 * cap)
+    assert all(a >= b for a, b in zip(fitted, fitted[1:]))
+    if prompt <= 128:  # the prompt fits the budget: no layer compresses it
+        assert min(fitted) >= min(prompt, cap)
+    else:  # no layer loses budget it could use
+        assert all(f >= min(b, cap) for f, b in zip(fitted, PYRAMID_128))
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(budgets=[10, 0], prompt_tokens=5), "budgets"),
+        (dict(budgets=[10, 2.5], prompt_tokens=5), "budgets"),
+        (dict(budgets=[10], prompt_tokens=-1), "prompt_tokens"),
+        (dict(budgets=[10], prompt_tokens=5, new_tokens=-2), "new_tokens"),
+    ],
+)
+def test_fit_budgets_rejects_bad_input(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        fit_budgets(**kwargs)

@@ -23,6 +23,12 @@ CONFIGS = [
     for budget in BUDGETS
     if not (heads == "adaptive" and fields.get("eviction") == "prefill_end")  # h2o ranks by mass, not a window
 ]
+# drafted tokens join the window (a reading drafts the most any config asks for; each takes its own share)
+CONFIGS += [
+    KVCacheConfig(method="pyramidkv", budget=24, lookahead=3),
+    KVCacheConfig(method="squeeze", budget="25%", lookahead=5, head_budgets="adaptive"),
+    KVCacheConfig(method="snapkv", budget=24, lookahead=5, scoring="key_proxy"),
+]
 STEPS = 6
 
 
@@ -33,7 +39,7 @@ def _prompt(tokenizer):
 
 
 def _own(model, config, document, instruction):
-    caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(document) + len(instruction))
+    caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(document) + len(instruction), new_tokens=STEPS)
     with attention_routing(model, [config]):
         logits = prefill_phases(model, caches, document=document, instruction=instruction, chunk_size=32,
                                 max_new_tokens=STEPS)
@@ -64,7 +70,7 @@ def reading(tiny_model):
                                  instruction=instruction, chunk_size=32, max_new_tokens=STEPS)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.method}-{c.eviction or ''}-{c.scoring}-{c.head_budgets}-{c.budget}")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.method}-{c.eviction or ''}-{c.scoring}-{c.head_budgets}-{c.budget}-{c.lookahead}")
 def test_a_derived_stack_equals_its_own_prefill_array_for_array(tiny_model, reading, config):
     model, tokenizer = tiny_model
     own, own_logits = _own(model, config, *_prompt(tokenizer))
