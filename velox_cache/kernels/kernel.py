@@ -25,6 +25,12 @@ with less work:
   rows from the same pass, block by block, and the entropy of a few sampled
   rows from those rows alone, so no ``[S, N]`` probabilities are ever held.
 
+Where the native ops have it, ``blocked_attention`` hands the whole call to
+the fused native primitive instead (``velox_cache.kernels.fused``: the same
+attention and scores, FlashAttention-style, within
+``native.ATTENTION_TOLERANCE``); the MLX ops here stay the fallback and the
+reference (``VELOX_NATIVE=0``, or ``fused=False``).
+
 Shapes: ``B`` batch, ``H`` KV heads, ``R`` query heads per KV head (GQA group),
 ``S`` queries, ``N`` keys, ``D`` head dim. Within a block the score rows are
 ordered (query, group): ``[B, H, rows * R, keys]``.
@@ -40,6 +46,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from . import fused as fused_kernel
 from . import native
 from .attention import Mask
 
@@ -143,6 +150,7 @@ def blocked_attention(
     entropy_rows: int = 0,
     rows_per_block: Optional[int] = None,
     two_streams: bool = False,
+    fused: bool = True,
 ):
     """Attention of ``queries`` ``[B, H*R, S, D]`` over ``keys``/``values`` ``[B, H, N, D]``.
 
@@ -157,7 +165,17 @@ def blocked_attention(
     last ``S`` of the ``N`` positions) or an array broadcastable to
     ``[B, H*R, S, N]``, boolean (True = attend) or additive. ``two_streams``
     runs half of each block's elementwise work on a second CPU stream.
+
+    ``fused`` (default): the fused native primitive computes the call where
+    it is built (``rows_per_block`` and ``two_streams`` then do not apply);
+    False: always the MLX ops below.
     """
+    if fused:
+        result = fused_kernel.fused_attention(
+            queries, keys, values, scale=scale, mask=mask, score_rows=score_rows, entropy_rows=entropy_rows
+        )
+        if result is not None:
+            return result
     batch, n_q_heads, n_queries, dim = queries.shape
     n_kv_heads, n_keys = keys.shape[1], keys.shape[2]
     group = n_q_heads // n_kv_heads

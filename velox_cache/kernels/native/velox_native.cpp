@@ -243,6 +243,10 @@ mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin, i
 
 }  // namespace
 
+namespace velox {
+void register_attention(nb::module_& m);  // attention.cpp: VeloxAttention
+}
+
 NB_MODULE(_ops, m) {
   m.def("instruction_set", [] { return std::string(loops().instruction_set); },
         "The instruction set of the loops this CPU runs.");
@@ -254,4 +258,5 @@ NB_MODULE(_ops, m) {
   m.def("rope", &rope, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("dims"), nb::arg("traditional"),
         "RoPE of x [..., L, D] by a table of cos and sin [L, dims / 2] (one row per position).");
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"), "silu(gate) * x with a vectorised float32 exp.");
+  velox::register_attention(m);
 }

@@ -1,0 +1,235 @@
+"""The fused native attention (``VeloxAttention``) against a float64 reference and the pure-MLX kernel.
+
+Tolerance (``native.ATTENTION_TOLERANCE``, 1e-5): against float64, the output
+within it times the largest ``|value|``, each key's mass within it, the
+entropy sum within it per row summed; the pure-MLX kernel (``fused=False``)
+meets the same bound, so the two differ by at most twice it. Where the native
+module is not built (or predates the primitive) these tests skip.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import velox_cache
+from velox_cache.kernels import fused, kernel, native
+
+pytestmark = pytest.mark.skipif(not fused.available(), reason=f"fused native attention: {native.status()}")
+
+TOLERANCE = native.ATTENTION_TOLERANCE
+
+# (batch, kv heads, group, queries, keys, head dim, mask)
+CASES = {
+    "decode": (1, 3, 3, 1, 77, 64, None),
+    "decode-causal": (1, 2, 4, 1, 50, 16, "causal"),
+    "decode-batch-rows": (3, 3, 3, 1, 130, 64, "bool-per-sequence"),
+    "chunk-causal-group3": (1, 3, 3, 37, 101, 32, "causal"),
+    "chunk-causal-many-blocks": (1, 3, 3, 150, 700, 64, "causal"),  # several tasks and key blocks, two threads
+    "square-causal-group1": (2, 2, 1, 40, 40, 16, "causal"),
+    "square-causal-odd": (1, 1, 3, 67, 67, 24, "causal"),  # not a multiple of any tile
+    "no-mask-prefill": (1, 1, 3, 20, 45, 16, None),
+    "bool-mask-rows": (1, 2, 3, 21, 53, 16, "bool"),
+    "bool-mask-per-head": (1, 2, 2, 18, 33, 16, "bool-heads"),
+    "bool-mask-one-row": (1, 3, 3, 13, 90, 8, "bool-one-row"),
+    "additive-mask-rows": (1, 3, 1, 19, 47, 16, "additive"),
+    "additive-mask-3d": (2, 2, 4, 17, 40, 16, "additive-3d"),
+    "masked-first-block": (1, 1, 3, 9, 200, 32, "bool-first-block"),  # a whole key block masked
+}
+
+
+def _inputs(batch, kv_heads, group, n_queries, n_keys, dim, mask_kind, seed=0):
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape, scale=1.0):
+        return mx.array((rng.normal(size=shape) * scale).astype(np.float32))
+
+    queries = normal(batch, kv_heads * group, n_queries, dim, scale=2.0)
+    keys = normal(batch, kv_heads, n_keys, dim, scale=2.0)
+    values = normal(batch, kv_heads, n_keys, dim)
+    causal = mx.arange(n_keys - n_queries, n_keys)[:, None] >= mx.arange(n_keys)[None]
+    first_key = mx.arange(n_keys) == 0
+    uniform = lambda *shape: mx.array(rng.uniform(size=shape))  # noqa: E731
+    mask = {
+        None: None,
+        "causal": "causal",
+        "bool": causal & (uniform(n_queries, n_keys) > 0.3) | first_key,
+        "bool-heads": (uniform(1, kv_heads * group, n_queries, n_keys) > 0.5) | first_key,
+        "bool-one-row": (uniform(1, n_keys) > 0.4) | first_key,
+        "bool-per-sequence": (uniform(batch, 1, 1, n_keys) > 0.4) | first_key,
+        "bool-first-block": mx.broadcast_to(mx.arange(n_keys) >= 70, (n_queries, n_keys)),
+        "additive": mx.where(causal, 0.0, -mx.inf) + normal(n_queries, n_keys),
+        "additive-3d": normal(kv_heads * group, n_queries, n_keys),
+    }[mask_kind]
+    return queries, keys, values, mask
+
+
+def _reference(queries, keys, values, scale, mask, score_rows, entropy_rows):
+    """Attention, key mass and sampled entropy in float64 (NumPy), the keys repeated per group head."""
+    q, k = np.array(queries, np.float64), np.array(keys, np.float64)
+    batch, n_q_heads, n_queries, _ = q.shape
+    n_kv_heads, n_keys = k.shape[1], k.shape[2]
+    group = n_q_heads // n_kv_heads
+    scores = q @ np.repeat(k, group, axis=1).swapaxes(-1, -2) * scale  # [B, H*R, S, N]
+    if isinstance(mask, str):
+        visible = np.arange(n_keys)[None] <= (n_keys - n_queries + np.arange(n_queries))[:, None]
+        scores = np.where(visible, scores, -np.inf)
+    elif mask is not None:
+        m = np.array(mask)
+        scores = np.where(m, scores, -np.inf) if m.dtype == bool else scores + m.astype(np.float64)
+    scores = scores - scores.max(-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(-1, keepdims=True)
+    output = None if values is None else probs @ np.repeat(np.array(values, np.float64), group, axis=1)
+    mass = None
+    if score_rows:
+        mass = probs[:, :, n_queries - score_rows :].sum(2).reshape(batch, n_kv_heads, group, n_keys).sum(2)
+    entropy = None
+    if entropy_rows:
+        tail = probs[:, :, n_queries - entropy_rows :]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rows = -np.where(tail > 0, tail * np.log(tail), 0.0).sum(-1)
+        entropy = rows.sum() / math.log(n_keys)
+    return output, mass, entropy
+
+
+def _errors(got, expected, values, rows):
+    """(output error / max |value|, largest key-mass error, entropy error per summed row)."""
+    output, mass, entropy = got
+    errors = [0.0, 0.0, 0.0]
+    if expected[0] is not None:
+        errors[0] = float(np.abs(np.array(output, np.float64) - expected[0]).max() / np.abs(np.array(values)).max())
+    if expected[1] is not None:
+        errors[1] = float(np.abs(np.array(mass, np.float64) - expected[1]).max())
+    if expected[2] is not None:
+        errors[2] = abs(entropy.item() - expected[2]) / max(1, rows)
+    return errors
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_native_and_pure_kernels_match_float64(case):
+    queries, keys, values, mask = _inputs(*CASES[case])
+    batch, n_q_heads, n_queries, dim = queries.shape
+    scale = dim**-0.5
+    for score_rows, entropy_rows in ((0, 0), (n_queries, min(n_queries, 8)), (max(1, n_queries // 3), 1)):
+        kwargs = dict(scale=scale, mask=mask, score_rows=score_rows, entropy_rows=entropy_rows)
+        expected = _reference(queries, keys, values, scale, mask, score_rows, entropy_rows)
+        native_result = kernel.blocked_attention(queries, keys, values, **kwargs)
+        pure_result = kernel.blocked_attention(queries, keys, values, fused=False, **kwargs)
+        assert native_result[0].shape == queries.shape and native_result[0].dtype == mx.float32
+        assert (native_result[1] is None) == (score_rows == 0) and (native_result[2] is None) == (entropy_rows == 0)
+        rows = batch * n_q_heads * entropy_rows
+        native_errors = _errors(native_result, expected, values, rows)
+        pure_errors = _errors(pure_result, expected, values, rows)
+        assert max(native_errors) <= TOLERANCE, f"native {native_errors}"
+        assert max(pure_errors) <= TOLERANCE, f"pure {pure_errors}"
+        between = _errors(native_result, [np.array(a, np.float64) if a is not None else None for a in pure_result],
+                          values, rows)
+        assert max(between) <= 2 * TOLERANCE, f"native vs pure {between}"
+
+
+@pytest.mark.parametrize("case", ["decode", "chunk-causal-many-blocks", "bool-mask-rows", "additive-mask-3d"])
+def test_scores_without_values_are_the_scores_with_them(case):
+    queries, keys, values, mask = _inputs(*CASES[case])
+    n_queries = queries.shape[2]
+    kwargs = dict(scale=0.3, mask=mask, score_rows=max(1, n_queries // 2), entropy_rows=min(5, n_queries))
+    output, mass, entropy = kernel.blocked_attention(queries, keys, values, **kwargs)
+    none, mass_only, entropy_only = kernel.blocked_attention(queries, keys, None, **kwargs)
+    assert none is None
+    assert mx.allclose(mass_only, mass, atol=1e-6).item()
+    assert entropy_only.item() == pytest.approx(entropy.item(), abs=1e-5)
+    assert kernel.blocked_attention(queries, keys, None, scale=0.3, mask=mask) == (None, None, None)
+
+
+def test_more_score_rows_than_queries_count_every_query():
+    queries, keys, values, _ = _inputs(1, 3, 3, 12, 40, 16, None)
+    _, all_rows, entropy_all = kernel.blocked_attention(queries, keys, values, scale=0.25, mask="causal",
+                                                        score_rows=12, entropy_rows=12)
+    _, clamped, entropy_clamped = kernel.blocked_attention(queries, keys, values, scale=0.25, mask="causal",
+                                                           score_rows=100, entropy_rows=100)
+    assert mx.array_equal(all_rows, clamped).item() and entropy_all.item() == entropy_clamped.item()
+    assert mx.allclose(all_rows.sum(-1), mx.full((1, 3), 36.0), atol=1e-4).item(), "each row's mass sums to one"
+
+
+def test_strided_inputs_are_read_in_place_or_packed():
+    """Queries transposed from [B, S, H, D], keys sliced from a bigger buffer, values with a strided feature axis."""
+    queries, keys, values, _ = _inputs(1, 3, 3, 30, 90, 32, None)
+    scale = 32**-0.5
+    expected = _reference(queries, keys, values, scale, "causal", 30, 4)
+    strided_queries = mx.array(np.ascontiguousarray(np.array(queries).transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
+    buffer = mx.concatenate([keys, mx.zeros((1, 3, 40, 32))], axis=2)
+    sliced_keys = buffer[:, :, :90]
+    strided_values = mx.array(np.ascontiguousarray(np.array(values).swapaxes(-1, -2))).swapaxes(-1, -2)
+    got = kernel.blocked_attention(strided_queries, sliced_keys, strided_values, scale=scale, mask="causal",
+                                   score_rows=30, entropy_rows=4)
+    assert max(_errors(got, expected, values, 9 * 4)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_precision_inputs_give_their_dtype_back(dtype):
+    queries, keys, values, _ = _inputs(1, 2, 3, 16, 48, 16, None)
+    up = kernel.blocked_attention(queries, keys, values, scale=0.25, mask="causal")[0]
+    got = kernel.blocked_attention(queries.astype(dtype), keys.astype(dtype), values.astype(dtype), scale=0.25,
+                                   mask="causal")[0]
+    assert got.dtype == dtype
+    assert mx.allclose(got.astype(mx.float32), up, atol=0.05).item()
+
+
+def test_the_baseline_tiles_compute_the_same_attention():
+    """``VELOX_NATIVE_ISA=baseline`` picks the portable tiles (read once per process, so in a fresh one)."""
+    probe = (
+        "import numpy as np, mlx.core as mx\n"
+        "from velox_cache.kernels import native\n"
+        "from tests.velox_cache.kernels.test_native_attention import CASES, _inputs, _reference, _errors\n"
+        "print(native.ops().attention_instruction_set())\n"
+        "for case in ('chunk-causal-group3', 'square-causal-odd', 'bool-mask-rows'):\n"
+        "    q, k, v, mask = _inputs(*CASES[case])\n"
+        "    got = native.ops().attention(q, k, v, mask if isinstance(mask, mx.array) else None, scale=0.2,\n"
+        "                                 causal=isinstance(mask, str), score_rows=5, entropy_rows=3)\n"
+        "    print(max(_errors(got, _reference(q, k, v, 0.2, mask, 5, 3), v, q.shape[1] * 3)))\n"
+    )
+    environment = {**os.environ, "VELOX_NATIVE_ISA": "baseline"}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=environment,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.split()
+    assert lines[0] == "baseline"
+    assert all(float(error) <= TOLERANCE for error in lines[1:])
+
+
+def test_velox_native_0_runs_the_mlx_kernel(monkeypatch):
+    monkeypatch.setenv(native.ENVIRONMENT_VARIABLE, "0")
+    assert not fused.available()
+    assert fused.fused_attention(mx.ones((1, 1, 1, 4)), mx.ones((1, 1, 2, 4)), None, scale=1.0) is None
+
+
+@pytest.mark.parametrize("context, config", [
+    ("fast_attention", velox_cache.KVCacheConfig(method="full")),
+    ("observe", velox_cache.KVCacheConfig(method="h2o", budget=24, scoring="observed")),
+])
+def test_a_model_generates_the_same_greedy_tokens_with_native_attention_on_and_off(tiny_model, monkeypatch, context,
+                                                                                   config):
+    """The tiny model's greedy tokens (and, under observation, the evictions its key mass decides) agree."""
+    model, _ = tiny_model
+    prompt = mx.array([[5, 17, 3, 99, 42, 8, 23, 61, 7, 30, 11, 64, 2, 90, 33, 47] * 3])
+
+    def greedy():
+        caches = velox_cache.KVCacheBuilder.for_model(model, config)
+        tokens = []
+        with getattr(velox_cache, context)(model):
+            logits = model(prompt, cache=caches)
+            for _ in range(16):
+                token = logits[0, -1].argmax().item()
+                tokens.append(token)
+                logits = model(mx.array([[token]]), cache=caches)
+        return tokens, logits
+
+    native_tokens, native_logits = greedy()
+    monkeypatch.setenv(native.ENVIRONMENT_VARIABLE, "0")
+    pure_tokens, pure_logits = greedy()
+    assert native_tokens == pure_tokens
+    assert mx.allclose(native_logits, pure_logits, atol=1e-4, rtol=1e-4).item()

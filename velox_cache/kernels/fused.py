@@ -1,0 +1,71 @@
+"""Velox's fused native attention: the whole call as one MLX primitive, where it is built.
+
+``VeloxAttention`` (``velox_cache/kernels/native/attention.cpp``) computes what
+``kernel.blocked_attention`` computes, FlashAttention-style: query blocks x key
+blocks with an online softmax in float32, so no ``[S, N]`` scores reach memory;
+grouped-query attention without repeating keys or values; a lower-right
+aligned causal mask that skips the key blocks a query block cannot see; its
+tasks (batch, KV head, query block) shared by both cores; register-blocked
+SIMD tiles, no BLAS. Key mass and sampled entropy come from exact
+probabilities (each scored row's final maximum and sum, in a second pass over
+only those rows).
+
+It does not round as the pure-MLX kernel does (a ~1 ulp float32 ``exp``, FMA,
+another summation order): both stay within ``native.ATTENTION_TOLERANCE`` of
+a float64 reference, and the pure kernel stays the reference and the fallback
+(``VELOX_NATIVE=0``, or a module built before the primitive existed).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from . import native
+from .attention import Mask
+
+
+def available() -> bool:
+    """True when the native ops are in use and have the fused attention."""
+    ops = native.ops()
+    return ops is not None and hasattr(ops, "attention")
+
+
+def fused_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: Optional[mx.array],
+    *,
+    scale: float,
+    mask: Mask = None,
+    score_rows: int = 0,
+    entropy_rows: int = 0,
+) -> Optional[tuple]:
+    """``(output, key_mass, entropy)`` as ``kernel.blocked_attention`` returns them, or None where not built.
+
+    ``queries`` ``[B, H*R, S, D]``, ``keys``/``values`` ``[B, H, N, D]``;
+    ``mask`` None, ``"causal"`` or an array broadcastable to ``[B, H*R, S, N]``
+    (boolean or additive). The output comes back in the queries' dtype.
+    """
+    if not available():
+        return None
+    if isinstance(mask, str) and mask != "causal":
+        raise ValueError(f"mask: {mask!r} is not 'causal', None or an array")
+    n_queries = queries.shape[2]
+    score_rows, entropy_rows = min(score_rows, n_queries), min(entropy_rows, n_queries)
+    if values is None and not score_rows and not entropy_rows:
+        return None, None, None
+    output, key_mass, entropy = native.ops().attention(
+        queries,
+        keys,
+        values,
+        mask if isinstance(mask, mx.array) else None,
+        scale=scale,
+        causal=isinstance(mask, str),
+        score_rows=score_rows,
+        entropy_rows=entropy_rows,
+    )
+    if output is not None and output.dtype != queries.dtype:
+        output = output.astype(queries.dtype)
+    return output, key_mass, entropy

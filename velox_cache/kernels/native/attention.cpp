@@ -1,0 +1,287 @@
+// VeloxAttention: fused attention as one MLX primitive, FlashAttention-style on
+// the CPU. Query blocks x key blocks with an online softmax in float32, so no
+// [S, N] scores ever reach memory; grouped-query attention without repeating
+// keys or values; a lower-right aligned causal mask that skips the key blocks
+// a query block cannot see; an optional additive or boolean mask; the tasks
+// (batch, KV head, query block) shared by up to hardware_concurrency() threads
+// (no BLAS). The tile loops are attention_loops.cpp, one set per instruction set.
+//
+// Outputs, in this order and only those asked for: the attention output
+// [B, H*R, S, D]; each key's attention mass from the last `score_rows` queries,
+// summed over them and the group, [B, H, N]; and the sum over the last
+// `entropy_rows` queries and the group of each row's entropy / log(N), a scalar.
+// Mass and entropy come from exact probabilities: each scored row's final
+// maximum and sum, in a second pass over only those rows.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include "attention.h"
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+namespace nb = nanobind;
+
+namespace velox {
+namespace {
+
+constexpr double MIN_PARALLEL_FLOPS = 4e6;  // below, a second thread costs more to start than it saves
+constexpr unsigned MAX_THREADS = 8;
+
+const AttentionLoops& attention_loops() {
+  static const AttentionLoops& chosen = best_attention_loops();
+  return chosen;
+}
+
+void copy_strides(const mx::array& a, int64_t* strides) {
+  for (int axis = 0; axis < 4; ++axis) strides[axis] = a.strides()[axis];
+}
+
+// [B, H, N, D] rows with the feature axis made contiguous, for the rare input whose last axis is strided.
+const float* packed_rows(const mx::array& a, int64_t* strides, std::vector<float>& out) {
+  const int64_t batch = a.shape(0), heads = a.shape(1), n = a.shape(2), dim = a.shape(3);
+  out.resize(a.size());
+  const float* source = a.data<float>();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < n; ++i) {
+        const float* row = source + b * strides[0] + h * strides[1] + i * strides[2];
+        float* to = out.data() + ((b * heads + h) * n + i) * dim;
+        for (int64_t d = 0; d < dim; ++d) to[d] = row[d * strides[3]];
+      }
+  strides[0] = heads * n * dim;
+  strides[1] = n * dim;
+  strides[2] = dim;
+  strides[3] = 1;
+  return out.data();
+}
+
+// Every task of the call, the costliest (latest causal query blocks) first.
+std::vector<AttentionTask> tasks_of(const AttentionProblem& p, int64_t first_query) {
+  const int64_t rows = attention_loops().rows_per_task;
+  const int64_t block = std::max<int64_t>(1, rows / p.group);
+  std::vector<AttentionTask> tasks;
+  for (int64_t stop = p.n_queries; stop > first_query; stop -= block)
+    for (int64_t b = 0; b < p.batch; ++b)
+      for (int64_t h = 0; h < p.kv_heads; ++h) tasks.push_back({b, h, std::max(first_query, stop - block), stop});
+  return tasks;
+}
+
+double flops_of(const AttentionProblem& p, const std::vector<AttentionTask>& tasks) {
+  double flops = 0;
+  for (const auto& t : tasks) {
+    const double keys = p.causal ? p.n_keys - p.n_queries + t.last_query : p.n_keys;
+    flops += 4.0 * (t.last_query - t.first_query) * p.group * keys * p.dim;
+  }
+  return flops;
+}
+
+// Run every task on up to MAX_THREADS threads; the key mass goes to `key_mass` (zeroed), the entropy sum out.
+double solve(const AttentionProblem& p, float* key_mass) {
+  const int64_t first_scored = std::min(p.score_from, p.entropy_from);
+  const auto tasks = tasks_of(p, p.values == nullptr ? first_scored : 0);
+  const auto& loops = attention_loops();
+  unsigned threads = std::min<unsigned>({std::max(1u, std::thread::hardware_concurrency()), MAX_THREADS,
+                                         static_cast<unsigned>(std::max<size_t>(1, tasks.size()))});
+  if (flops_of(p, tasks) < MIN_PARALLEL_FLOPS) threads = 1;
+  const size_t mass_size = key_mass != nullptr ? p.batch * p.kv_heads * p.n_keys : 0;
+  std::vector<std::vector<float>> helper_mass(threads - 1, std::vector<float>(mass_size, 0.0f));
+  std::vector<ScoreSums> sums(threads);
+  sums[0] = {key_mass, 0.0};
+  for (unsigned i = 1; i < threads; ++i) sums[i] = {key_mass != nullptr ? helper_mass[i - 1].data() : nullptr, 0.0};
+  std::atomic<size_t> next{0};
+  auto work = [&](unsigned thread) {
+    for (size_t i = next++; i < tasks.size(); i = next++) loops.run_task(p, tasks[i], sums[thread]);
+  };
+  std::vector<std::thread> helpers;
+  for (unsigned i = 1; i < threads; ++i) helpers.emplace_back(work, i);
+  work(0);
+  for (auto& helper : helpers) helper.join();
+  double entropy = sums[0].entropy;
+  for (unsigned i = 1; i < threads; ++i) {
+    entropy += sums[i].entropy;
+    for (size_t j = 0; j < mass_size; ++j) key_mass[j] += helper_mass[i - 1][j];
+  }
+  return entropy;
+}
+
+// What one call asks for, beside its arrays.
+struct Settings {
+  float scale;
+  bool causal, has_values, has_mask;
+  int score_rows, entropy_rows;
+  bool operator==(const Settings&) const = default;
+};
+
+void compute(const Settings& settings, const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+  const mx::array& queries = in[0];
+  const mx::array& keys = in[1];
+  AttentionProblem p{};
+  p.batch = queries.shape(0);
+  p.kv_heads = keys.shape(1);
+  p.group = queries.shape(1) / p.kv_heads;
+  p.n_queries = queries.shape(2);
+  p.n_keys = keys.shape(2);
+  p.dim = queries.shape(3);
+  p.scale = settings.scale;
+  p.causal = settings.causal;
+  p.score_from = settings.score_rows > 0 ? p.n_queries - settings.score_rows : p.n_queries;
+  p.entropy_from = settings.entropy_rows > 0 ? p.n_queries - settings.entropy_rows : p.n_queries;
+  p.queries = queries.data<float>();
+  copy_strides(queries, p.query_strides);
+  std::vector<float> packed_keys, packed_values;
+  copy_strides(keys, p.key_strides);
+  p.keys = p.key_strides[3] == 1 ? keys.data<float>() : packed_rows(keys, p.key_strides, packed_keys);
+  size_t next_input = 2, next_output = 0;
+  if (settings.has_values) {
+    const mx::array& values = in[next_input++];
+    copy_strides(values, p.value_strides);
+    p.values = p.value_strides[3] == 1 ? values.data<float>() : packed_rows(values, p.value_strides, packed_values);
+    p.output = out[next_output++].data<float>();
+  }
+  if (settings.has_mask) {
+    const mx::array& mask = in[next_input++];
+    copy_strides(mask, p.mask_strides);
+    p.mask_is_bool = mask.dtype() == mx::bool_;
+    p.mask = p.mask_is_bool ? static_cast<const void*>(mask.data<bool>()) : mask.data<float>();
+  }
+  float* key_mass = nullptr;
+  if (settings.score_rows > 0) {
+    key_mass = out[next_output++].data<float>();
+    std::fill(key_mass, key_mass + p.batch * p.kv_heads * p.n_keys, 0.0f);
+  }
+  const double entropy = solve(p, key_mass);
+  if (settings.entropy_rows > 0) {
+    *out[next_output].data<float>() = p.n_keys >= 2 ? static_cast<float>(entropy / std::log(double(p.n_keys))) : 0.0f;
+  }
+}
+
+class Attention : public mx::Primitive {
+ public:
+  Attention(mx::Stream s, Settings settings) : mx::Primitive(s), settings_(settings) {}
+
+  const char* name() const override { return "VeloxAttention"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto* o = dynamic_cast<const Attention*>(&other);
+    return o != nullptr && o->settings_ == settings_;
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("VeloxAttention: Velox's native ops run on the CPU only");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return shapes(inputs[0], inputs[1]);
+  }
+
+  std::vector<mx::Shape> shapes(const mx::array& queries, const mx::array& keys) const {
+    std::vector<mx::Shape> result;
+    if (settings_.has_values) result.push_back(queries.shape());
+    if (settings_.score_rows > 0) result.push_back({keys.shape(0), keys.shape(1), keys.shape(2)});
+    if (settings_.entropy_rows > 0) result.push_back({});
+    return result;
+  }
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    std::vector<mx::array> weak_inputs, weak_outputs;
+    for (const auto& input : inputs) {
+      encoder.set_input_array(input);
+      weak_inputs.push_back(mx::array::unsafe_weak_copy(input));
+    }
+    for (auto& output : outputs) {
+      output.set_data(mx::allocator::malloc(output.nbytes()));
+      encoder.set_output_array(output);
+      weak_outputs.push_back(mx::array::unsafe_weak_copy(output));
+    }
+    encoder.dispatch([settings = settings_, in = std::move(weak_inputs), out = std::move(weak_outputs)]() mutable {
+      compute(settings, in, out);
+    });
+  }
+
+ private:
+  Settings settings_;
+};
+
+mx::array float32(const mx::array& a, const mx::Stream& s) {
+  return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s);
+}
+
+std::tuple<std::optional<mx::array>, std::optional<mx::array>, std::optional<mx::array>> attention(
+    const mx::array& queries, const mx::array& keys, const std::optional<mx::array>& values,
+    const std::optional<mx::array>& mask, float scale, bool causal, int score_rows, int entropy_rows) {
+  const auto s = mx::default_stream(mx::Device::cpu);
+  if (queries.ndim() != 4 || keys.ndim() != 4) {
+    throw std::invalid_argument("attention: queries [B, H*R, S, D] and keys [B, H, N, D]");
+  }
+  const int batch = queries.shape(0), q_heads = queries.shape(1), n_queries = queries.shape(2),
+            dim = queries.shape(3);
+  const int kv_heads = keys.shape(1), n_keys = keys.shape(2);
+  if (keys.shape(0) != batch || keys.shape(3) != dim || kv_heads == 0 || q_heads % kv_heads) {
+    throw std::invalid_argument("attention: keys must be [B, H, N, D] with H dividing the query heads");
+  }
+  if (values && values->shape() != keys.shape()) throw std::invalid_argument("attention: values must be keys' shape");
+  if (causal && (mask || n_keys < n_queries)) {
+    throw std::invalid_argument("attention: causal takes no mask array and at least as many keys as queries");
+  }
+  score_rows = std::clamp(score_rows, 0, n_queries);
+  entropy_rows = std::clamp(entropy_rows, 0, n_queries);
+  if (!values && score_rows == 0 && entropy_rows == 0) {
+    throw std::invalid_argument("attention: nothing to compute (no values, no score_rows, no entropy_rows)");
+  }
+  std::vector<mx::array> inputs = {float32(queries, s), float32(keys, s)};
+  if (values) inputs.push_back(float32(*values, s));
+  if (mask) {
+    if (mask->ndim() > 4) throw std::invalid_argument("attention: a mask has at most 4 axes");
+    mx::Shape shape(4 - mask->ndim(), 1);
+    shape.insert(shape.end(), mask->shape().begin(), mask->shape().end());
+    auto m = mx::reshape(*mask, shape, s);
+    m = mask->dtype() == mx::bool_ ? m : float32(m, s);
+    inputs.push_back(mx::broadcast_to(m, {batch, q_heads, n_queries, n_keys}, s));
+  }
+  auto primitive = std::make_shared<Attention>(
+      s, Settings{scale, causal, values.has_value(), mask.has_value(), score_rows, entropy_rows});
+  auto shapes = primitive->shapes(queries, keys);
+  auto arrays = mx::array::make_arrays(shapes, std::vector<mx::Dtype>(shapes.size(), mx::float32), primitive, inputs);
+  std::tuple<std::optional<mx::array>, std::optional<mx::array>, std::optional<mx::array>> result;
+  size_t next = 0;
+  if (values) std::get<0>(result) = arrays[next++];
+  if (score_rows > 0) std::get<1>(result) = arrays[next++];
+  if (entropy_rows > 0) std::get<2>(result) = arrays[next++];
+  return result;
+}
+
+}  // namespace
+
+void register_attention(nb::module_& m) {
+  m.def("attention_instruction_set", [] { return std::string(attention_loops().instruction_set); },
+        "The instruction set of the attention tile loops this CPU runs.");
+  m.def("attention", &attention, nb::arg("queries"), nb::arg("keys"), nb::arg("values").none(),
+        nb::arg("mask").none(), nb::kw_only(), nb::arg("scale"), nb::arg("causal") = false,
+        nb::arg("score_rows") = 0, nb::arg("entropy_rows") = 0,
+        "Fused attention of queries [B, H*R, S, D] over keys/values [B, H, N, D] (values None: scores only):\n"
+        "(output [B, H*R, S, D] or None, key mass of the last score_rows queries [B, H, N] or None,\n"
+        "sum of the last entropy_rows rows' entropy / log(N) or None), all float32. causal is lower-right\n"
+        "aligned; mask is None or an additive float / boolean array broadcastable to [B, H*R, S, N].");
+}
+
+}  // namespace velox

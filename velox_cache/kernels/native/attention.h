@@ -1,0 +1,53 @@
+// Velox's fused attention: the problem one call describes and the tile loops
+// (attention_loops.cpp, compiled once per instruction set) that solve one task of it.
+#pragma once
+
+#include <cstdint>
+
+namespace velox {
+
+// One attention call. Strides are in elements, per axis; 0 on a broadcast axis.
+struct AttentionProblem {
+  const float* queries;  // [B, H*R, S, D]
+  int64_t query_strides[4];
+  const float* keys;  // [B, H, N, D], feature axis contiguous (key_strides[3] == 1)
+  int64_t key_strides[4];
+  const float* values;  // [B, H, N, D] likewise, or null: scores only
+  int64_t value_strides[4];
+  const void* mask;  // [B, H*R, S, N] float32 (additive) or bool (true = attend), or null
+  int64_t mask_strides[4];
+  bool mask_is_bool;
+  bool causal;  // lower-right aligned: query i sits at position N - S + i and sees keys j <= N - S + i
+  int64_t batch, kv_heads, group, n_queries, n_keys, dim;
+  float scale;
+  int64_t score_from;    // first query whose attention feeds the key mass (n_queries: none)
+  int64_t entropy_from;  // first query whose row entropy is summed (n_queries: none)
+  float* output;         // [B, H*R, S, D] row-major, or null without values
+};
+
+// The queries [first_query, last_query) of one (batch, KV head), with all their group's heads.
+struct AttentionTask {
+  int64_t batch, head, first_query, last_query;
+};
+
+// What one thread's tasks add up in the scoring pass.
+struct ScoreSums {
+  float* key_mass;  // [B, H, N], zeroed before the first task; null when no key mass is asked for
+  double entropy;   // sum of row entropies (natural log, not yet divided by log N)
+};
+
+struct AttentionLoops {
+  const char* instruction_set;
+  int64_t rows_per_task;  // score rows (queries x group) a task should hold for its tiles to stay in cache
+  void (*run_task)(const AttentionProblem& problem, const AttentionTask& task, ScoreSums& sums);
+};
+
+namespace avx512 { extern const AttentionLoops attention_loops; }
+namespace avx2 { extern const AttentionLoops attention_loops; }
+namespace baseline { extern const AttentionLoops attention_loops; }
+
+// The fastest set this CPU can run (the avx2 set needs FMA too); VELOX_NATIVE_ISA=baseline|avx2|avx512
+// picks one by name (for tests and benchmarks; an ISA this CPU lacks is refused).
+const AttentionLoops& best_attention_loops();
+
+}  // namespace velox

@@ -1,0 +1,401 @@
+// The tile loops of Velox's fused attention, one task at a time. CMake compiles
+// this file once per instruction set (VELOX_ISA names the namespace), with FMA
+// contraction allowed and -mfma on x86 sets: unlike loops.cpp, nothing here has
+// to round as the pure-MLX kernel does.
+//
+// A task is the queries [q0, q1) of one (batch, KV head) with all R heads of its
+// group: M = (q1 - q0) * R score rows, ordered (query, group head). Everything
+// is held transposed, rows along the vector lanes:
+//
+//   Qt [D][Mp]   the queries times `scale`      St [KB][Mp]  one key block's scores, then weights
+//   Ot [D][Mp]   the unnormalised output        m, l [Mp]    each row's running maximum and sum
+//
+// (Mp: M rounded up to whole vectors). Per key block of KB keys: St = K_block Qt
+// (each key's element broadcast against a vector of rows), masks, the online
+// softmax (row maxima and sums are lane-wise vector ops, no horizontal
+// reductions), then Ot = Ot * alpha + V_block^T St (each value element
+// broadcast). Keys and values are read in place, never packed or repeated per
+// group head. Rows whose attention is scored get a second pass over the same
+// key blocks with their final maximum and sum: exact probabilities, summed
+// into each key's mass, and each row's entropy.
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "attention.h"
+
+#ifndef VELOX_ISA
+#error "VELOX_ISA must name the instruction set (avx512, avx2 or baseline)"
+#endif
+#define VELOX_STRINGIFY(x) #x
+#define VELOX_NAME(x) VELOX_STRINGIFY(x)
+
+namespace velox::VELOX_ISA {
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int VECTOR_BYTES = 64;
+constexpr int TILE = 12;  // keys (or value features) per micro-kernel: 12 x 2 accumulators of 32 registers
+#elif defined(__AVX__)
+constexpr int VECTOR_BYTES = 32;
+constexpr int TILE = 6;  // 6 x 2 accumulators of 16 registers
+#else
+constexpr int VECTOR_BYTES = 16;
+constexpr int TILE = 6;
+#endif
+constexpr int LANES = VECTOR_BYTES / 4;
+constexpr int KEY_BLOCK = 64;                // keys per block: St and a block of keys stay in L1/L2
+constexpr int64_t ROWS_PER_TASK = 24 * LANES;  // score rows per task: Qt, St and Ot stay in L2
+typedef float Floats __attribute__((vector_size(VECTOR_BYTES)));
+typedef int32_t Ints __attribute__((vector_size(VECTOR_BYTES)));
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+inline Floats load(const float* p) {
+  Floats v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, Floats v) { std::memcpy(p, &v, sizeof v); }
+inline Ints load_ints(const int32_t* p) {
+  Ints v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+// Every lane x, as one broadcast (`Floats{} + x` keeps an add: +0.0 is no identity for -0.0).
+template <typename Vector, typename Scalar, size_t... LANE>
+inline Vector broadcast(Scalar x, std::index_sequence<LANE...>) {
+  return Vector{((void)LANE, x)...};
+}
+inline Floats splat(float x) { return broadcast<Floats>(x, std::make_index_sequence<LANES>{}); }
+inline Ints splat_int(int32_t x) { return broadcast<Ints>(x, std::make_index_sequence<LANES>{}); }
+inline float lane_sum(Floats v) {
+  float total = 0.0f;
+  for (int i = 0; i < LANES; ++i) total += v[i];
+  return total;
+}
+
+// exp(v) in float32, ~1 ulp (Cephes' range reduction and polynomial, as loops.cpp's
+// exp_float32); exactly 0 below -87.3 (so -inf, a masked key, gives 0, never NaN).
+inline Floats exp_vector(Floats v) {
+  const Ints underflow = v < splat(-87.3365447504019f);
+  v = v < splat(88.0f) ? v : splat(88.0f);
+  v = v > splat(-87.3365447504019f) ? v : splat(-87.3365447504019f);
+  const Floats round = splat(12582912.0f);  // 1.5 * 2**23: adding and subtracting it rounds to an integer
+  const Floats n = (v * 1.44269504088896341f + round) - round;
+  Floats r = v - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  Floats p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const Ints bits = (__builtin_convertvector(n, Ints) + 127) << 23;
+  Floats scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  const Floats result = p * scale;
+  return underflow ? splat(0.0f) : result;
+}
+
+// ---------------------------------------------------------------- micro-kernels
+
+// St[i][rows] = sum_d K[i][d] * Qt[d][rows] for KEYS keys and NV vectors of rows.
+template <int KEYS, int NV>
+inline void scores_tile(const float* key, int64_t key_stride, const float* qt, int64_t mp, int64_t dim, float* st) {
+  Floats acc[KEYS][NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < KEYS; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = Floats{};
+  for (int64_t d = 0; d < dim; ++d) {
+    Floats q[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) q[v] = load(qt + d * mp + v * LANES);
+#pragma GCC unroll 16
+    for (int i = 0; i < KEYS; ++i) {
+      const Floats k = splat(key[i * key_stride + d]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] += k * q[v];
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < KEYS; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) store(st + i * mp + v * LANES, acc[i][v]);
+}
+
+// Ot[f][rows] = Ot[f][rows] * alpha[rows] + sum_j V[j][f] * St[j][rows] for FEATURES features.
+template <int FEATURES, int NV>
+inline void values_tile(const float* value, int64_t value_stride, int64_t n_block, const float* st, int64_t mp,
+                        const float* alpha, float* ot) {
+  Floats acc[FEATURES][NV];
+  Floats scale[NV];
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) scale[v] = load(alpha + v * LANES);
+#pragma GCC unroll 16
+  for (int i = 0; i < FEATURES; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = load(ot + i * mp + v * LANES) * scale[v];
+  for (int64_t j = 0; j < n_block; ++j) {
+    Floats p[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) p[v] = load(st + j * mp + v * LANES);
+#pragma GCC unroll 16
+    for (int i = 0; i < FEATURES; ++i) {
+      const Floats x = splat(value[j * value_stride + i]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] += x * p[v];
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < FEATURES; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) store(ot + i * mp + v * LANES, acc[i][v]);
+}
+
+// The tile of `count` (1..TILE) keys or features: a compile-time size for each.
+template <int NV, int SIZE = TILE>
+inline void scores_tiles(int count, const float* key, int64_t key_stride, const float* qt, int64_t mp, int64_t dim,
+                         float* st) {
+  if constexpr (SIZE >= 1) {
+    if (count == SIZE) return scores_tile<SIZE, NV>(key, key_stride, qt, mp, dim, st);
+    scores_tiles<NV, SIZE - 1>(count, key, key_stride, qt, mp, dim, st);
+  }
+}
+
+template <int NV, int SIZE = TILE>
+inline void values_tiles(int count, const float* value, int64_t value_stride, int64_t n_block, const float* st,
+                         int64_t mp, const float* alpha, float* ot) {
+  if constexpr (SIZE >= 1) {
+    if (count == SIZE) return values_tile<SIZE, NV>(value, value_stride, n_block, st, mp, alpha, ot);
+    values_tiles<NV, SIZE - 1>(count, value, value_stride, n_block, st, mp, alpha, ot);
+  }
+}
+
+// ---------------------------------------------------------------- one task
+
+struct Workspace {
+  std::vector<float> qt, st, ot, row_max, row_sum, alpha, entropy, mass_weight;
+  std::vector<int32_t> position;
+  std::vector<int64_t> mask_row;
+};
+
+// A vector of rows [m0, m0 + NV * LANES) at a time, as two or one vectors.
+template <typename Body>
+inline void for_panels(int64_t first, int64_t mp, Body body) {
+  int64_t m0 = first;
+  for (; m0 + 2 * LANES <= mp; m0 += 2 * LANES) body(m0, std::integral_constant<int, 2>{});
+  if (m0 < mp) body(m0, std::integral_constant<int, 1>{});
+}
+
+class Task {
+ public:
+  Task(const AttentionProblem& p, const AttentionTask& t, Workspace& w)
+      : p_(p), t_(t), w_(w), R(p.group), D(p.dim), N(p.n_keys), S(p.n_queries) {
+    M = (t.last_query - t.first_query) * R;
+    mp = (M + LANES - 1) / LANES * LANES;
+    key_end = p.causal ? N - S + t.last_query : N;
+    first_position = N - S + t.first_query;
+    keys = p.keys + t.batch * p.key_strides[0] + t.head * p.key_strides[1];
+    key_stride = p.key_strides[2];
+    if (p.values != nullptr) {
+      values = p.values + t.batch * p.value_strides[0] + t.head * p.value_strides[1];
+      value_stride = p.value_strides[2];
+    }
+  }
+
+  void run(ScoreSums& sums) {
+    const int64_t first_scored = std::min(p_.score_from, p_.entropy_from);
+    const int64_t scored_row = std::max<int64_t>(0, (first_scored - t_.first_query) * R);
+    // without values only the scored rows matter; their panels start at a whole vector
+    const int64_t first_row = p_.values == nullptr ? scored_row / LANES * LANES : 0;
+    prepare();
+    if (p_.values != nullptr) std::fill(w_.ot.begin(), w_.ot.end(), 0.0f);
+    for (int64_t k0 = 0; k0 < key_end; k0 += KEY_BLOCK) {
+      const int64_t n_block = std::min<int64_t>(KEY_BLOCK, key_end - k0);
+      block_scores(k0, n_block, first_row);
+      online_softmax(k0, n_block, first_row);
+      if (p_.values != nullptr) block_values(k0, n_block);
+    }
+    if (p_.output != nullptr) write_output();
+    if (scored_row < M) score(scored_row / LANES * LANES, sums);
+  }
+
+ private:
+  const AttentionProblem& p_;
+  const AttentionTask& t_;
+  Workspace& w_;
+  const int64_t R, D, N, S;
+  int64_t M = 0, mp = 0, key_end = 0, first_position = 0;
+  const float* keys = nullptr;
+  const float* values = nullptr;
+  int64_t key_stride = 0, value_stride = 0;
+
+  int64_t query_of(int64_t row) const { return t_.first_query + row / R; }
+
+  void prepare() {
+    w_.qt.assign(D * mp, 0.0f);
+    w_.st.resize(KEY_BLOCK * mp);
+    if (p_.values != nullptr) w_.ot.resize(D * mp);
+    w_.row_max.assign(mp, NEG_INF);
+    w_.row_sum.assign(mp, 0.0f);
+    w_.alpha.assign(mp, 0.0f);
+    w_.position.assign(mp, std::numeric_limits<int32_t>::max());  // padding rows see every key
+    if (p_.mask != nullptr) w_.mask_row.resize(M);
+    const int64_t* qs = p_.query_strides;
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t query = query_of(m), head = t_.head * R + m % R;
+      const float* q = p_.queries + t_.batch * qs[0] + head * qs[1] + query * qs[2];
+      for (int64_t d = 0; d < D; ++d) w_.qt[d * mp + m] = q[d * qs[3]] * p_.scale;
+      w_.position[m] = static_cast<int32_t>(N - S + query);
+      if (p_.mask != nullptr) {
+        const int64_t* ms = p_.mask_strides;
+        w_.mask_row[m] = t_.batch * ms[0] + head * ms[1] + query * ms[2];
+      }
+    }
+  }
+
+  // St[0:n_block][first_row:] = the block's scores, masked.
+  void block_scores(int64_t k0, int64_t n_block, int64_t first_row) {
+    float* st = w_.st.data();
+    for_panels(first_row, mp, [&](int64_t m0, auto nv) {
+      constexpr int NV = decltype(nv)::value;
+      for (int64_t j0 = 0; j0 < n_block; j0 += TILE) {
+        const int count = static_cast<int>(std::min<int64_t>(TILE, n_block - j0));
+        scores_tiles<NV>(count, keys + (k0 + j0) * key_stride, key_stride, w_.qt.data() + m0, mp, D,
+                         st + j0 * mp + m0);
+      }
+    });
+    if (p_.causal && k0 + n_block - 1 > first_position) {  // the block reaches past some row's position
+      for (int64_t m0 = first_row; m0 < mp; m0 += LANES) {
+        const Ints position = load_ints(w_.position.data() + m0);
+        for (int64_t j = 0; j < n_block; ++j) {
+          float* s = st + j * mp + m0;
+          store(s, splat_int(static_cast<int32_t>(k0 + j)) > position ? splat(NEG_INF) : load(s));
+        }
+      }
+    }
+    if (p_.mask != nullptr) apply_mask(k0, n_block, first_row);
+  }
+
+  void apply_mask(int64_t k0, int64_t n_block, int64_t first_row) {
+    float* st = w_.st.data();
+    const int64_t key_step = p_.mask_strides[3];
+    for (int64_t m = first_row; m < M; ++m) {
+      const int64_t base = w_.mask_row[m] + k0 * key_step;
+      if (p_.mask_is_bool) {
+        const bool* allowed = static_cast<const bool*>(p_.mask) + base;
+        for (int64_t j = 0; j < n_block; ++j)
+          if (!allowed[j * key_step]) st[j * mp + m] = NEG_INF;
+      } else {
+        const float* add = static_cast<const float*>(p_.mask) + base;
+        for (int64_t j = 0; j < n_block; ++j) st[j * mp + m] += add[j * key_step];
+      }
+    }
+  }
+
+  // Row maxima and sums move on; St becomes exp(scores - new maximum), alpha the old sums' factor.
+  void online_softmax(int64_t, int64_t n_block, int64_t first_row) {
+    float* st = w_.st.data();
+    for (int64_t m0 = first_row; m0 < mp; m0 += LANES) {
+      Floats block_max = splat(NEG_INF);
+      for (int64_t j = 0; j < n_block; ++j) {
+        const Floats s = load(st + j * mp + m0);
+        block_max = s > block_max ? s : block_max;
+      }
+      const Floats old_max = load(w_.row_max.data() + m0);
+      const Floats new_max = block_max > old_max ? block_max : old_max;
+      const Floats shift = new_max == splat(NEG_INF) ? splat(0.0f) : new_max;  // a row masked so far stays at 0
+      const Floats alpha = exp_vector(old_max - shift);
+      Floats sum = Floats{};
+      for (int64_t j = 0; j < n_block; ++j) {
+        const Floats w = exp_vector(load(st + j * mp + m0) - shift);
+        store(st + j * mp + m0, w);
+        sum += w;
+      }
+      store(w_.row_sum.data() + m0, load(w_.row_sum.data() + m0) * alpha + sum);
+      store(w_.row_max.data() + m0, new_max);
+      store(w_.alpha.data() + m0, alpha);
+    }
+  }
+
+  void block_values(int64_t k0, int64_t n_block) {
+    const float* value_block = values + k0 * value_stride;
+    for_panels(0, mp, [&](int64_t m0, auto nv) {
+      constexpr int NV = decltype(nv)::value;
+      for (int64_t f0 = 0; f0 < D; f0 += TILE) {
+        const int count = static_cast<int>(std::min<int64_t>(TILE, D - f0));
+        values_tiles<NV>(count, value_block + f0, value_stride, n_block, w_.st.data() + m0, mp,
+                         w_.alpha.data() + m0, w_.ot.data() + f0 * mp + m0);
+      }
+    });
+  }
+
+  void write_output() {
+    const int64_t heads = p_.kv_heads * R;
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t head = t_.head * R + m % R;
+      float* out = p_.output + ((t_.batch * heads + head) * S + query_of(m)) * D;
+      const float inverse = 1.0f / w_.row_sum[m];
+      for (int64_t d = 0; d < D; ++d) out[d] = w_.ot[d * mp + m] * inverse;
+    }
+  }
+
+  // The second pass over the scored rows [first_row, M): exact probabilities with each row's final
+  // maximum and sum, summed into the key mass (rows from score_from) and the entropy (from entropy_from).
+  void score(int64_t first_row, ScoreSums& sums) {
+    const bool mass = p_.score_from < S && sums.key_mass != nullptr;
+    const bool entropy = p_.entropy_from < S;
+    w_.mass_weight.assign(mp, 0.0f);
+    w_.entropy.assign(mp, 0.0f);
+    for (int64_t m = first_row; m < M; ++m)
+      if (query_of(m) >= p_.score_from) w_.mass_weight[m] = 1.0f / w_.row_sum[m];
+    float* key_mass = mass ? sums.key_mass + (t_.batch * p_.kv_heads + t_.head) * N : nullptr;
+    float* st = w_.st.data();
+    for (int64_t k0 = 0; k0 < key_end; k0 += KEY_BLOCK) {
+      const int64_t n_block = std::min<int64_t>(KEY_BLOCK, key_end - k0);
+      block_scores(k0, n_block, first_row);
+      for (int64_t m0 = first_row; m0 < mp; m0 += LANES) {
+        const Floats row_max = load(w_.row_max.data() + m0);
+        const Floats shift = row_max == splat(NEG_INF) ? splat(0.0f) : row_max;
+        Floats entropy_sum = load(w_.entropy.data() + m0);
+        for (int64_t j = 0; j < n_block; ++j) {
+          const Floats x = load(st + j * mp + m0) - shift;
+          const Floats w = exp_vector(x);
+          store(st + j * mp + m0, w);
+          if (entropy) entropy_sum += w * (x > splat(-88.0f) ? x : splat(-88.0f));  // masked: 0 * -88
+        }
+        store(w_.entropy.data() + m0, entropy_sum);
+      }
+      if (!mass) continue;
+      for (int64_t j = 0; j < n_block; ++j) {
+        Floats total = Floats{};
+        for (int64_t m0 = first_row; m0 < mp; m0 += LANES)
+          total += load(st + j * mp + m0) * load(w_.mass_weight.data() + m0);
+        key_mass[k0 + j] += lane_sum(total);
+      }
+    }
+    if (!entropy) return;
+    for (int64_t m = first_row; m < M; ++m) {
+      if (query_of(m) < p_.entropy_from) continue;
+      const double row_sum = w_.row_sum[m];
+      sums.entropy += std::log(row_sum) - w_.entropy[m] / row_sum;
+    }
+  }
+};
+
+void run_task(const AttentionProblem& problem, const AttentionTask& task, ScoreSums& sums) {
+  thread_local Workspace workspace;
+  Task(problem, task, workspace).run(sums);
+}
+
+}  // namespace
+
+const AttentionLoops attention_loops = {VELOX_NAME(VELOX_ISA), ROWS_PER_TASK, run_task};
+
+}  // namespace velox::VELOX_ISA
