@@ -25,6 +25,7 @@ from velox_cache.cache.accounting import layer_stats
 from velox_cache.generation.batching import BatchUnsupported
 from velox_cache.generation.decode import DecodeRow, decode_rows
 from velox_cache.generation.forcing import feed_together
+from velox_cache.generation.prefill import repeat_request
 from velox_cache.generation.reading import SharedReading
 from velox_cache.generation.routing import attention_routing
 
@@ -162,6 +163,7 @@ def prefill_variant(
             chunk_size=settings.prefill_step_size,
             max_new_tokens=settings.max_tokens,
             stop_tokens=frozenset(tokenizer.eos_token_ids),
+            repeat=repeat_request(tokenizer),
         )
         first_logprobs = sampler.logprobs(logits)
         prefill_seconds = time.perf_counter() - start
@@ -198,7 +200,7 @@ def prefill_shared(
         reading = SharedReading.prefill(
             model, [*configs, *also_read], prefix=prompt.prefix, document=prompt.document,
             instruction=prompt.instruction, chunk_size=settings.prefill_step_size, max_new_tokens=settings.max_tokens,
-            stop_tokens=frozenset(tokenizer.eos_token_ids),
+            stop_tokens=frozenset(tokenizer.eos_token_ids), repeat=repeat_request(tokenizer),
         )
         mx.eval(reading.logits)
         reading_seconds = time.perf_counter() - start

@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 METHODS = ("full", "h2o", "tova", "snapkv", "streaming", "pyramidkv", "squeeze")
 SCORINGS = ("observed", "key_proxy")
 EVICTIONS = ("continuous", "prefill_end", "streaming")
-SELECTIONS = ("cumulative", "window")
+SELECTIONS = ("cumulative", "window", "reconstruction")
 KV_DTYPES = ("float16", "bfloat16", "float32")
 HEAD_BUDGETS = ("uniform", "adaptive")
 
@@ -108,9 +108,14 @@ class KVCacheConfig:
             chunk, ranked by a probe or by the chunk's last queries; see
             ``velox_cache.stream_prefill``). ``None`` takes the policy's default.
         selection: what ranks tokens when prefill ends under ``prefill_end``:
-            ``cumulative`` attention mass (H2O) or ``window``: the attention of
+            ``cumulative`` attention mass (H2O), ``window``: the attention of
             the prompt's last ``window`` queries, max-pooled over ``kernel``
-            (SnapKV). ``None`` takes the policy's default.
+            (SnapKV), or ``reconstruction`` (KVzip): after the prompt the model
+            re-reads the document piece by piece after a request to repeat it
+            (``prefill_phases(repeat=...)``, about one more prefill of compute),
+            and a token's score is the largest attention any of those queries or
+            the window's paid it, max-pooled over ``kernel``. ``None`` takes the
+            policy's default.
         recent: most recent tokens protected from eviction: tokens, or a
             percentage of ``budget`` such as ``"25%"`` (``None``: budget // 8).
             Per-layer budgets (pyramid, squeeze) share the one window.
@@ -210,8 +215,11 @@ class KVCacheConfig:
                     "eviction: 'streaming' ranks tokens by attention; method 'streaming' (StreamingLLM) "
                     "keeps the most recent ones and has no use for it"
                 )
-            if self.selection == "cumulative":
-                raise ConfigError("selection: 'streaming' eviction ranks by a probe or a window, not 'cumulative'")
+            if self.selection in ("cumulative", "reconstruction"):
+                raise ConfigError(
+                    f"selection: 'streaming' eviction ranks by a probe or a window, not {self.selection!r} "
+                    "(reconstruction re-reads the whole document, which streaming does not hold)"
+                )
 
     @property
     def budget_fraction(self) -> Optional[float]:

@@ -39,7 +39,7 @@ from ..kernels.observe import is_routed
 from .accounting import CacheAccounting
 from .choices import PolicyChoices
 from .head_slots import HeadPooledSlots
-from .phases import LayerPhase, Phase, ProbeMark
+from .phases import LOOK_AHEAD, PROBE, LayerPhase, Phase, ProbeMark
 from .scoring import LayerScoring
 from .selection import WindowSelector, blend_with_mass
 from .signals import CumulativeMass
@@ -174,16 +174,23 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
         elif progress.tell(phase):
             self._end_prefill()
 
-    def begin_probe(self, look_ahead: bool = False) -> None:
-        """The next calls are a probe, dropped by ``end_probe``; ``look_ahead``: drafted tokens.
+    def begin_probe(self, kind: str = PROBE) -> None:
+        """The next calls are a probe of ``kind`` (``velox_cache.cache.phases.PROBE_KINDS``), dropped by ``end_probe``.
 
         A look-ahead's queries join the window that ranks the held tokens when
         prefill ends (``velox_cache.cache.phases.look_ahead``); the window widens
-        by ``config.lookahead`` to hold them beside the prompt's own.
+        by ``config.lookahead`` to hold them beside the prompt's own. A
+        reconstruction's attention peaks are kept for that ranking
+        (``velox_cache.cache.phases.reconstruction``).
         """
-        self.progress.start_probe(ProbeMark.of(self.slots), look_ahead=look_ahead)
-        if look_ahead and self.timing.ranks_by_window:
+        self.progress.start_probe(ProbeMark.of(self.slots), kind)
+        if kind == LOOK_AHEAD and self.timing.ranks_by_window:
             self.selector.widen(self.config.lookahead)
+
+    @property
+    def reconstructs(self) -> bool:
+        """True when this layer ranks the prompt by reconstructing it (``selection: reconstruction``)."""
+        return self.timing.reconstructs
 
     def end_probe(self) -> None:
         """Drop the probe's keys and values (offset and accounting as before it).

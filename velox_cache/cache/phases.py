@@ -77,6 +77,9 @@ class ProbeMark:
         slots.offset, slots.tokens_seen = self.offset, self.tokens_seen
 
 
+PROBE, LOOK_AHEAD, RECONSTRUCTION = "probe", "look_ahead", "reconstruction"
+PROBE_KINDS = (PROBE, LOOK_AHEAD, RECONSTRUCTION)  # calls that run on top of the prompt and are dropped after
+
 PROMPT_SINGLES = 2  # single-token prompt calls mlx-lm can make after a chunk: a one-token remainder, the last token
 
 
@@ -87,7 +90,7 @@ class LayerPhase:
         self.prefilling = True
         self.told: Optional[Phase] = None  # None: never told (the end of prefill is inferred)
         self.probe: Optional[ProbeMark] = None
-        self.looking_ahead = False  # the running probe is a look-ahead: its queries join the window
+        self.probe_kind = PROBE  # what the running probe is: PROBE, LOOK_AHEAD or RECONSTRUCTION
         self.probe_scores = None  # [B, H, held before the probe]: the probe's pooled ranking
         self.state_read = False  # the cache's ``state`` was read since its last call (``starts_decoding``)
         self.singles_since_chunk = 0  # single-token calls since the last multi-token one
@@ -154,21 +157,33 @@ class LayerPhase:
         self.told = phase
         return phase is Phase.DECODE and self.prefilling
 
-    def start_probe(self, mark: ProbeMark, look_ahead: bool = False) -> None:
-        """A probe starts; ``mark`` is what it must give back (``look_ahead``: drafted tokens, see ``look_ahead``)."""
+    def start_probe(self, mark: ProbeMark, kind: str = "probe") -> None:
+        """A probe starts; ``mark`` is what it must give back. ``kind``: see ``PROBE_KINDS``."""
+        if kind not in PROBE_KINDS:
+            raise ValueError(f"kind: {kind!r} is not one of {', '.join(PROBE_KINDS)}")
         if not self.prefilling:
             raise ValueError("phase: a probe runs during prefill, not after decoding started")
         if self.probe is not None:
             raise ValueError("phase: a probe is already running; end it first")
-        self.probe, self.probe_scores, self.looking_ahead = mark, None, look_ahead
+        self.probe, self.probe_scores, self.probe_kind = mark, None, kind
         self.told = self.told or Phase.DOCUMENT
 
     def finish_probe(self) -> tuple:
         """The probe ends: ``(mark, its ranking or None)``."""
         mark, scores = self.probe, self.probe_scores
         self.probe = self.probe_scores = None
-        self.looking_ahead = False
+        self.probe_kind = PROBE
         return mark, scores
+
+    @property
+    def looking_ahead(self) -> bool:
+        """A look-ahead runs: tokens drafted after the prompt, whose queries join the window."""
+        return self.probe is not None and self.probe_kind == LOOK_AHEAD
+
+    @property
+    def reconstructing(self) -> bool:
+        """A reconstruction runs: the document re-read after a request to repeat it (KVzip)."""
+        return self.probe is not None and self.probe_kind == RECONSTRUCTION
 
 
 def leaves(caches: Iterable) -> list:
@@ -215,7 +230,7 @@ def probe(caches: list):
     trimmed back; a stack with a cache that can drop nothing is refused
     before anything runs.
     """
-    with _dropped_afterwards(caches, look_ahead=False) as stack:
+    with _dropped_afterwards(caches, PROBE) as stack:
         yield stack
 
 
@@ -229,12 +244,29 @@ def look_ahead(caches: list):
     to. Nothing is evicted or scored meanwhile. Caches whose selection is not
     by a window only append and drop.
     """
-    with _dropped_afterwards(caches, look_ahead=True) as stack:
+    with _dropped_afterwards(caches, LOOK_AHEAD) as stack:
+        yield stack
+
+
+def reconstructs(caches: Iterable) -> bool:
+    """True when some cache in the stack ranks the prompt by reconstructing it (``selection: reconstruction``)."""
+    return any(getattr(cache, "reconstructs", False) for cache in leaves(caches))
+
+
+@contextlib.contextmanager
+def reconstruction(caches: list):
+    """Run the block's model calls (a request to repeat the document, then a piece of it) as a reconstruction.
+
+    Like a probe, nothing the calls append stays; caches that rank by
+    reconstruction (KVzip) keep, for every held token, the largest attention
+    any of these queries paid it. Other caches only append and drop.
+    """
+    with _dropped_afterwards(caches, RECONSTRUCTION) as stack:
         yield stack
 
 
 @contextlib.contextmanager
-def _dropped_afterwards(caches: list, look_ahead: bool):
+def _dropped_afterwards(caches: list, kind: str):
     stack = list(caches)
     for index, layer in enumerate(stack):
         for cache in leaves([layer]):
@@ -244,7 +276,7 @@ def _dropped_afterwards(caches: list, look_ahead: bool):
     marks = [None if knows_phases(c) else _BufferMark.of(c) for c in members]
     for cache in members:
         if knows_phases(cache):
-            cache.begin_probe(look_ahead=look_ahead)
+            cache.begin_probe(kind)
     try:
         yield stack
     finally:

@@ -25,6 +25,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ..kernels.attend import AttentionResult
+from ..kernels.attention import key_peak
 from ..kernels.masks import MaskMismatchError, fit_mask, is_plain_causal
 from ..kernels.observe import is_observing, is_routed
 from .signals import fold_heads, key_proxy_attention
@@ -91,6 +92,8 @@ class LayerScoring:
             entropy_rows=self._rows_for_concentration(n_queries),
         )
         self._use_scores(result)
+        if self.progress.reconstructing and self.reconstructs:
+            self._remember_peak(queries, keys, scale, mask, sinks)
         # Keys derived from the stored ones (MLA), an additive mask (position scores) or sinks: the
         # remembered queries and the held keys cannot reproduce the window's attention, so keep it as computed.
         derived = keys.shape[1] != self.slots.keys.shape[1] or keys.shape[-1] != self.slots.keys.shape[-1]
@@ -187,6 +190,9 @@ class LayerScoring:
     def _score_with_key_proxy(self, new_keys: mx.array, held_keys: mx.array) -> None:
         """Score by each new key standing in for its query (no queries needed)."""
         self._remember_window(new_keys)
+        if self.progress.reconstructing and self.reconstructs:
+            scale = self.attention_scale if self.attention_scale is not None else new_keys.shape[-1] ** -0.5
+            self._remember_peak(new_keys, held_keys, scale, "causal" if new_keys.shape[2] > 1 else None)
         n_new = new_keys.shape[2]
         result = key_proxy_attention(
             new_keys,
@@ -197,6 +203,12 @@ class LayerScoring:
         )
         if result is not None:
             self._use_scores(result)
+
+    def _remember_peak(self, queries, keys, scale, mask, sinks=None) -> None:
+        """A reconstruction call: the largest attention its queries paid each prompt token (KVzip), kept as a running max."""
+        peak = key_peak(queries, keys, scale, mask, sinks)[..., : self.progress.probe.stored]
+        self.selector.remember_peak(fold_heads(peak, self.slots.keys.shape[1]))
+        mx.eval(self.selector.peak)
 
     def _use_scores(self, result: AttentionResult) -> None:
         """Fold one call's key mass ``[B, H, N]`` into the scores (or, in a probe, into its ranking)."""

@@ -1,7 +1,8 @@
 """Selectors: rank held tokens by the attention of chosen queries, pooled over neighbours.
 
 Two choices use them. At the end of prefill (SnapKV, PyramidKV) the prompt's
-last ``window`` queries rank every held token. In streaming prefill the
+last ``window`` queries rank every held token (with a reconstruction, KVzip:
+the largest attention any of them or of the re-read document paid it). In streaming prefill the
 *probe* (the instruction that follows the document, run on top of each chunk
 and then dropped) ranks every held and new token with all of its queries.
 Both max-pool the mass over ``kernel`` neighbouring slots, so that a fact
@@ -39,13 +40,14 @@ class WindowSelector:
         self.window = window
         self.kernel = kernel
         self.extra = 0  # rows kept beyond ``window``: a look-ahead's drafted queries (``widen``)
+        self.peak: Optional[mx.array] = None  # [B, H, N]: a reconstruction's largest attention per key (KVzip)
         self.queries: Optional[mx.array] = None  # [B, H*R, W, D]
         self.positions: Optional[mx.array] = None  # [W], the position of each query
         self.mass: Optional[mx.array] = None  # [B, H, W, N]: each window row's attention, kept as computed
 
     @property
     def arrays(self) -> list:
-        return [a for a in (self.queries, self.positions, self.mass) if a is not None]
+        return [a for a in (self.queries, self.positions, self.mass, self.peak) if a is not None]
 
     @property
     def ready(self) -> bool:
@@ -57,8 +59,12 @@ class WindowSelector:
         return self.window + self.extra
 
     def clear(self) -> None:
-        self.queries = self.positions = self.mass = None
+        self.queries = self.positions = self.mass = self.peak = None
         self.extra = 0
+
+    def remember_peak(self, peak: mx.array) -> None:
+        """Fold a reconstruction call's largest attention per held key ``[B, H, N]`` into the running maximum."""
+        self.peak = peak if self.peak is None else mx.maximum(self.peak, peak)
 
     def widen(self, rows: int) -> None:
         """Keep ``rows`` more queries from now until ``clear``: drafted ones, added after the prompt's window."""
@@ -68,7 +74,7 @@ class WindowSelector:
         """Remember what ``other`` remembers (same ``window`` and ``kernel``), sharing no array with it."""
         if (other.window, other.kernel) != (self.window, self.kernel):
             raise ValueError(f"window, kernel: {other.window}, {other.kernel} read, {self.window}, {self.kernel} asked")
-        for name in ("queries", "positions", "mass"):
+        for name in ("queries", "positions", "mass", "peak"):
             value = getattr(other, name)
             setattr(self, name, None if value is None else mx.array(value))
         self.extra = other.extra
@@ -108,6 +114,8 @@ class WindowSelector:
 
     def keep(self, indices: mx.array, n_slots: int) -> None:
         """The ``n_slots`` held slots became ``indices`` ``[B, H, K]`` of them: keep the kept mass in step."""
+        if self.peak is not None:
+            self.peak = mx.take_along_axis(_pad_keys(self.peak, n_slots), indices, axis=-1)
         if self.mass is None:
             return
         mass = _pad_keys(self.mass, n_slots)  # [B, H, W, n_slots]
@@ -127,6 +135,8 @@ class WindowSelector:
         kept as computed is used as it is.
         """
         pool = attention.max_pool if slots is None else slots.pool
+        if self.peak is not None:
+            return pool(self._peaks(keys, key_positions, scale), self.kernel)
         if self.mass is not None:
             mass = _pad_keys(self.mass, keys.shape[2])[..., : keys.shape[2]]
             return pool(mass.sum(axis=2), self.kernel)
@@ -142,6 +152,23 @@ class WindowSelector:
         # as the window's own attention is computed: Velox's kernel where it runs, else a precise softmax
         mass = attend_and_score(self.queries, keys, None, scale=scale, mask=visible, score_rows=n_queries).key_mass
         return pool(mass, self.kernel)
+
+    def _peaks(self, keys: mx.array, key_positions: mx.array, scale: Optional[float]) -> mx.array:
+        """KVzip: the largest attention the reconstruction or any window query paid each key ``[B, H, N]``."""
+        n_keys = keys.shape[2]
+        peak = _pad_keys(self.peak, n_keys)[..., :n_keys]
+        if self.mass is not None:
+            window = _pad_keys(self.mass, n_keys)[..., :n_keys].max(axis=2)
+        elif self.queries is not None:
+            group = self.queries.shape[1] // keys.shape[1]
+            visible = key_positions[:, :, None, None, :] <= self.positions[None, None, None, :, None]
+            visible = mx.broadcast_to(visible, (*visible.shape[:2], group, *visible.shape[3:]))
+            visible = visible.reshape(keys.shape[0], self.queries.shape[1], self.queries.shape[2], n_keys)
+            scale = keys.shape[-1] ** -0.5 if scale is None else scale
+            window = attention.key_peak(self.queries, keys, scale, visible)
+        else:
+            return peak
+        return mx.maximum(peak, window)
 
     def probe_scores(self, key_mass: mx.array, n_keys: int, slots=None) -> mx.array:
         """The probe's attention mass ``[B, H, N]`` on the first ``n_keys`` keys (the non-probe ones), pooled.

@@ -3,8 +3,9 @@
 * ``continuous`` evicts after every prefill chunk and decode step, by the
   policy's ranking signal: memory stays within budget + one chunk.
 * ``prefill_end`` keeps every prompt token and compresses once when decoding
-  starts, by the ``window`` of the prompt's last queries (SnapKV, PyramidKV)
-  or by ``cumulative`` mass.
+  starts, by the ``window`` of the prompt's last queries (SnapKV, PyramidKV),
+  by ``cumulative`` mass, or by ``reconstruction``: the largest attention the
+  window's queries or a re-reading of the document paid each token (KVzip).
 * ``streaming`` (FINCH) compresses after every document chunk: by the probe's
   attention when a probe ran on top of the chunk (``velox_cache.phases``),
   otherwise by the chunk's own last ``window`` queries, just before the next
@@ -34,6 +35,11 @@ class Continuous:
     @property
     def ranks_by_window(self) -> bool:
         """Whether the prompt's last queries rank held tokens (remembered while prefilling)."""
+        return False
+
+    @property
+    def reconstructs(self) -> bool:
+        """Whether the ranking at prefill end also takes a reconstruction's attention peaks (KVzip)."""
         return False
 
     def evicts(self, prefilling: bool) -> bool:
@@ -67,7 +73,11 @@ class PrefillEnd(Continuous):
 
     @property
     def ranks_by_window(self) -> bool:
-        return self.selection == "window"
+        return self.selection in ("window", "reconstruction")
+
+    @property
+    def reconstructs(self) -> bool:
+        return self.selection == "reconstruction"
 
     def evicts(self, prefilling: bool) -> bool:
         return not prefilling

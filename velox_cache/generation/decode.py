@@ -25,7 +25,7 @@ from ..builder import KVCacheBuilder
 from ..config import KVCacheConfig
 from ..kernels.observe import can_route
 from .batching import BatchUnsupported, batch_layers
-from .prefill import prefill_phases
+from .prefill import prefill_phases, repeat_request
 from .routing import attention_routing
 from .sampling import TokenSampler, log_softmax
 from .snapshot import restore, snapshot
@@ -314,7 +314,7 @@ def batch_generate(
                 caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(tokens), new_tokens=max_tokens)
                 logits = prefill_phases(
                     model, caches, document=tokens, chunk_size=prefill_step_size, max_new_tokens=max_tokens,
-                    stop_tokens=eos,
+                    stop_tokens=eos, repeat=repeat_request(tokenizer),
                 )
                 sampler = TokenSampler(tokens, seed=seed, **sampling)
                 group.append(DecodeRow(caches, sampler, sampler.logprobs(logits), max_tokens, eos))

@@ -68,6 +68,7 @@ def prefill_phases(
     after_call: Optional[Callable[[str, list], None]] = None,
     tell_decode: bool = True,
     stop_tokens: Collection[int] = (),
+    repeat: Sequence[int] = (),
 ) -> mx.array:
     """Prefill ``prefix + document + instruction`` into ``caches``; returns the last position's logits ``[1, V]``.
 
@@ -84,6 +85,10 @@ def prefill_phases(
     drafted greedily after the prompt (``look_ahead``; ``stop_tokens`` end the
     draft early) and dropped again: their queries join the window that ranks
     the prompt when prefill ends. ``after_call`` then sees ``"look_ahead"``.
+    Where a cache ranks by ``reconstruction`` (KVzip), the document is then
+    re-read piece by piece (``reconstruct``), each piece after ``repeat`` (the
+    tokens that ask the model to repeat it), and dropped; ``after_call`` sees
+    ``"reconstruction"`` after each piece.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size: must be at least 1, got {chunk_size}")
@@ -123,6 +128,9 @@ def prefill_phases(
             positions.make_room(drafts)
         look_ahead(model, caches, logits, drafts, stop_tokens=stop_tokens)
         notify("look_ahead", caches)
+    if phases.reconstructs(caches):
+        reconstruct(model, caches, list(document) or body, repeat, chunk_size, positions.context,
+                    after_piece=lambda: notify("reconstruction", caches))
     if tell_decode:
         phases.tell(caches, Phase.DECODE)
         mx.eval([c.state for c in caches])
@@ -147,6 +155,45 @@ def look_ahead(model, caches: list, logits: mx.array, steps: int, stop_tokens: C
                 break
     mx.eval([c.state for c in caches])
     return drafted
+
+
+REPEAT_REQUEST = "\n\nRepeat the previous context exactly.\n\n"
+
+
+def repeat_request(tokenizer) -> list[int]:
+    """The tokens that ask the model to repeat the document (``repeat=`` of a reconstruction, as KVzip words it)."""
+    return list(tokenizer.encode(REPEAT_REQUEST, add_special_tokens=False))
+
+
+def reconstruct(
+    model, caches: list, document: Sequence[int], repeat: Sequence[int], chunk_size: int,
+    context: Optional[int] = None, after_piece: Callable[[], None] = lambda: None,
+) -> None:
+    """KVzip's scoring pass: re-read ``document`` after the prompt, piece by piece, each dropped again.
+
+    Each piece of at most ``chunk_size`` tokens runs after ``repeat`` (the tokens
+    that ask the model to repeat the document) inside ``phases.reconstruction``:
+    the caches that rank by reconstruction keep, for every prompt token, the
+    largest attention those queries paid it. Pieces shrink so that the prompt,
+    ``repeat`` and a piece fit ``context``. About one more prefill of compute.
+    """
+    if not repeat:
+        raise ValueError(
+            "repeat: a cache ranks by reconstruction (KVzip) but no tokens ask the model to repeat the document; "
+            "pass them (velox_cache.generation.prefill.repeat_request(tokenizer) makes them)"
+        )
+    held = max(cache.offset for cache in phases.leaves(caches))
+    room = chunk_size if context is None else min(chunk_size, context - held - len(repeat))
+    if room < 1:
+        raise ContextError(
+            f"context_length: {context} positions hold the prompt ({held}) but not a request to repeat it "
+            f"({len(repeat)}) and a piece of the document to rank it by reconstruction"
+        )
+    for begin in range(0, len(document), room):
+        with phases.reconstruction(caches):
+            _run(model, list(repeat) + list(document[begin : begin + room]), caches)
+        mx.eval([c.state for c in caches])
+        after_piece()
 
 
 def _run(model, tokens: list[int], caches: list) -> mx.array:

@@ -163,6 +163,7 @@ class SharedReading:
         max_new_tokens: int = 0,
         context_length: Optional[int] = None,
         stop_tokens: Collection[int] = (),
+        repeat: Sequence[int] = (),
     ) -> "SharedReading":
         """Read ``prefix + document + instruction`` once for ``configs`` (any mix of ``full`` and prefill-end ones).
 
@@ -170,7 +171,9 @@ class SharedReading:
         ``attention_routing`` for all of them. The prompt and ``max_new_tokens``
         must fit the model's context (a longer document streams: not derivable).
         Where configs ask for a ``lookahead``, the full stack drafts the most any
-        asks for, once, and each recording's window takes its own config's share.
+        asks for, once, and each recording's window takes its own config's share;
+        where one ranks by reconstruction, the document is re-read once after
+        ``repeat`` (``prefill_phases``).
         """
         configs = list(configs)
         length = len(prefix) + len(document) + len(instruction)
@@ -186,7 +189,7 @@ class SharedReading:
             reading.logits = prefill_phases(
                 model, layers, prefix=prefix, document=document, instruction=instruction, chunk_size=chunk_size,
                 max_new_tokens=max_new_tokens, context_length=context_length, tell_decode=False,
-                stop_tokens=stop_tokens,
+                stop_tokens=stop_tokens, repeat=repeat,
             )
         phases.tell(reading._full, phases.Phase.DECODE)
         return reading

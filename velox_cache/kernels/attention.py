@@ -83,3 +83,29 @@ def normalized_entropy(probs: mx.array) -> mx.array:
         return mx.array(0.0)
     entropy = -(probs * mx.log(mx.maximum(probs, 1e-30))).sum(axis=-1)
     return entropy.sum() / math.log(n_keys)
+
+
+PEAK_BLOCK_ROWS = 64  # query rows per block of ``key_peak``: its probabilities stay [B, H, R, 64, N]
+
+
+def key_peak(
+    queries: mx.array, keys: mx.array, scale: float, mask: Mask, sinks: Optional[mx.array] = None
+) -> mx.array:
+    """The largest attention any query (and any head of its GQA group) paid each key ``[B, H, N]`` (KVzip's score).
+
+    Arguments as ``attention_probs``; computed a block of query rows at a time
+    (a causal block sees the keys up to its last query: lower-right aligned
+    again), so no ``[S, N]`` probabilities are held at once.
+    """
+    n_queries, n_keys = queries.shape[2], keys.shape[2]
+    peak = None
+    for start in range(0, n_queries, PEAK_BLOCK_ROWS):
+        stop = min(n_queries, start + PEAK_BLOCK_ROWS)
+        visible = n_keys - n_queries + stop if isinstance(mask, str) else n_keys
+        rows_mask = mask[..., start:stop, :] if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] > 1 else mask
+        probs = attention_probs(queries[:, :, start:stop], keys[:, :, :visible], scale, rows_mask, sinks)
+        block = probs.max(axis=(2, 3))  # [B, H, visible]
+        if visible < n_keys:
+            block = mx.pad(block, [(0, 0), (0, 0), (0, n_keys - visible)])
+        peak = block if peak is None else mx.maximum(peak, block)
+    return peak

@@ -28,7 +28,12 @@ CONFIGS += [
     KVCacheConfig(method="pyramidkv", budget=24, lookahead=3),
     KVCacheConfig(method="squeeze", budget="25%", lookahead=5, head_budgets="adaptive"),
     KVCacheConfig(method="snapkv", budget=24, lookahead=5, scoring="key_proxy"),
+    # ranked by a reconstruction (KVzip): the document re-read once for all of them
+    KVCacheConfig(method="pyramidkv", budget=24, selection="reconstruction"),
+    KVCacheConfig(method="squeeze", budget="25%", selection="reconstruction", lookahead=3, head_budgets="adaptive"),
+    KVCacheConfig(method="snapkv", budget=24, selection="reconstruction", scoring="key_proxy"),
 ]
+REPEAT = [5, 6, 7]
 STEPS = 6
 
 
@@ -42,7 +47,7 @@ def _own(model, config, document, instruction):
     caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(document) + len(instruction), new_tokens=STEPS)
     with attention_routing(model, [config]):
         logits = prefill_phases(model, caches, document=document, instruction=instruction, chunk_size=32,
-                                max_new_tokens=STEPS)
+                                max_new_tokens=STEPS, repeat=REPEAT)
     return caches, logits
 
 
@@ -67,10 +72,10 @@ def reading(tiny_model):
     model, tokenizer = tiny_model
     document, instruction = _prompt(tokenizer)
     return SharedReading.prefill(model, [KVCacheConfig(method="full"), *CONFIGS], document=document,
-                                 instruction=instruction, chunk_size=32, max_new_tokens=STEPS)
+                                 instruction=instruction, chunk_size=32, max_new_tokens=STEPS, repeat=REPEAT)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.method}-{c.eviction or ''}-{c.scoring}-{c.head_budgets}-{c.budget}-{c.lookahead}")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.method}-{c.eviction or ''}-{c.selection or ''}-{c.scoring}-{c.head_budgets}-{c.budget}-{c.lookahead}")
 def test_a_derived_stack_equals_its_own_prefill_array_for_array(tiny_model, reading, config):
     model, tokenizer = tiny_model
     own, own_logits = _own(model, config, *_prompt(tokenizer))

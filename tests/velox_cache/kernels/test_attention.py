@@ -1,9 +1,11 @@
 """The attention arithmetic behind scoring: pooling and window selection."""
 
 import mlx.core as mx
+import numpy as np
+import pytest
 
 from velox_cache import KVCacheConfig, KVCacheFactory
-from velox_cache.kernels.attention import max_pool
+from velox_cache.kernels.attention import attention_probs, key_peak, max_pool
 
 
 def test_max_pool_spreads_a_peak_over_its_kernel():
@@ -120,3 +122,14 @@ def test_the_recent_window_is_kept_whatever_the_ranking():
         kept = _kept_when_everything_looks_at_token_30(recent)
         assert last_four <= kept and {0, 1, 30} <= kept and len(kept) == 8, recent
     assert not last_four <= _kept_when_everything_looks_at_token_30(0), "unprotected, they compete on attention"
+
+
+@pytest.mark.parametrize("n_queries, n_keys, group", [(1, 9, 1), (70, 70, 3), (130, 200, 3)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_key_peak_is_the_largest_probability_any_query_and_group_head_gave_each_key(n_queries, n_keys, group, causal):
+    mx.random.seed(3)
+    queries = mx.random.normal((1, 2 * group, n_queries, 8))
+    keys = mx.random.normal((1, 2, n_keys, 8))
+    mask = "causal" if causal else None
+    expected = np.array(attention_probs(queries, keys, 0.35, mask)).max(axis=(2, 3))
+    assert np.allclose(np.array(key_peak(queries, keys, 0.35, mask)), expected, atol=1e-6)
