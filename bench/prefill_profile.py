@@ -3,15 +3,21 @@
 For one chunk of ``--chunk`` tokens of the embedded model, after ``context``
 tokens are already held:
 
-- ``floor``: the same linear layers alone (q, k, v, o, gate, up, down of every
-  layer over a ``[1, chunk, hidden]`` input), what the chunk costs at the
-  BLAS's speed;
+- ``linear floor``: the same linear layers alone (q, k, v, o, gate, up, down
+  of every layer over a ``[1, chunk, hidden]`` input), what the chunk costs at
+  the BLAS's speed; their flops over that time is the measured GEMM rate;
+- ``+ attention floor``: the linear floor plus the chunk's attention matmuls
+  at that GEMM rate (2 matmuls x 2 flops x query heads x chunk x visible keys
+  x head dim per layer, the keys each layer held before the chunk read from
+  its cache, causal counted as seen: query ``i`` sees the held keys and
+  ``i + 1`` of the chunk's);
 - ``forward``: the model's forward pass over the chunk, for a full cache
   (Velox's full cache under ``fast_attention``: what ``full`` and
   ``prefill_end`` runs do before their selection) and for a streaming
   PyramidKV cache at budget ``--budget`` (what it holds while streaming:
   at most its budget, plus the chunk);
-- ``floor / forward``: the share of the forward pass that is matmul work.
+- ``floor / forward``: the share of the forward pass that is matmul work, for
+  each floor.
 
 With ``--perf`` (Debian's ``linux-perf``) the forward passes are also sampled
 with ``perf record`` and the samples split into GEMM (OpenBLAS), thread waits
@@ -24,6 +30,7 @@ both cores, so a share is of CPU time, not of wall time.
     python bench/prefill_profile.py --contexts 0 3840 --perf
     python bench/prefill_profile.py --compare activations
     python bench/prefill_profile.py --compare native
+    python bench/prefill_profile.py --compare attention
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ import velox_cache  # noqa: E402
 from bench.common import load_default_model, prose  # noqa: E402
 from velox_cache import KVCacheBuilder, KVCacheConfig  # noqa: E402
 from velox_cache.cache.phases import Phase, tell  # noqa: E402
-from velox_cache.kernels import native  # noqa: E402
+from velox_cache.kernels import fused, native  # noqa: E402
 from velox_cache.kernels.elementwise import ACTIVATIONS  # noqa: E402
 
 CATEGORIES = [  # (name, pattern over perf's symbol column), first match wins
@@ -66,25 +73,39 @@ def kinds(budget: int) -> dict:
     }
 
 
-def matmul_floor(model, chunk: int, repeats: int = 3) -> float:
-    """Seconds for the linear layers of every transformer block over ``chunk`` tokens, best of ``repeats``."""
+def matmul_floor(model, chunk: int, repeats: int = 3) -> tuple[float, float]:
+    """``(seconds, flops)`` of the linear layers of every transformer block over ``chunk`` tokens, best of ``repeats``."""
     args = model.args
     x = mx.random.normal((1, chunk, args.hidden_size))
     h = mx.random.normal((1, chunk, args.intermediate_size))
     mx.eval(x, h)
-    best = float("inf")
+    best, flops = float("inf"), 0.0
     for _ in range(repeats):
         start = time.perf_counter()
+        flops = 0.0
         for layer in model.model.layers:
             attention, mlp = layer.self_attn, layer.mlp
-            mx.eval(attention.q_proj(x), attention.k_proj(x), attention.v_proj(x), attention.o_proj(x),
-                    mlp.gate_proj(x), mlp.up_proj(x), mlp.down_proj(h))
+            calls = [(attention.q_proj, x), (attention.k_proj, x), (attention.v_proj, x), (attention.o_proj, x),
+                     (mlp.gate_proj, x), (mlp.up_proj, x), (mlp.down_proj, h)]
+            outputs = [linear(inputs) for linear, inputs in calls]
+            mx.eval(*outputs)
+            flops += sum(2.0 * chunk * inputs.shape[-1] * out.shape[-1] for (_, inputs), out in zip(calls, outputs))
         best = min(best, time.perf_counter() - start)
-    return best
+    return best, flops
 
 
-def chunk_forward(model, tokens: list[int], config: KVCacheConfig, context: int, chunk: int) -> float:
-    """Seconds of one model call over ``chunk`` tokens after ``context`` tokens were prefilled in chunks."""
+def attention_flops(model, chunk: int, held: list[int]) -> float:
+    """Flops of a chunk's two attention matmuls over every layer, ``held[l]`` keys held before it, causal as seen."""
+    args = model.args
+    heads = args.num_attention_heads
+    dim = getattr(args, "head_dim", None) or args.hidden_size // heads
+    visible = [chunk * keys + chunk * (chunk + 1) / 2 for keys in held]  # summed over the chunk's queries
+    return sum(2 * 2.0 * heads * dim * keys for keys in visible)
+
+
+def chunk_forward(model, tokens: list[int], config: KVCacheConfig, context: int, chunk: int) -> tuple[float, list]:
+    """``(seconds, keys each layer held before it)`` of one model call over ``chunk`` tokens after ``context``
+    tokens were prefilled in chunks."""
     caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(tokens))
     router = velox_cache.observe if config.method != "full" else velox_cache.fast_attention
     with router(model):
@@ -93,10 +114,11 @@ def chunk_forward(model, tokens: list[int], config: KVCacheConfig, context: int,
             model(mx.array(tokens[start : start + chunk])[None], cache=caches)
             mx.eval([c.state for c in caches])
         mx.clear_cache()
+        held = [c.size() for c in caches]
         start = time.perf_counter()
         model(mx.array(tokens[context : context + chunk])[None], cache=caches)
         mx.eval([c.state for c in caches])
-        return time.perf_counter() - start
+        return time.perf_counter() - start, held
 
 
 @contextlib.contextmanager
@@ -111,43 +133,60 @@ def mlx_lm_activations():
 
 
 @contextlib.contextmanager
-def pure_mlx_ops():
-    """Velox's pure-MLX ops in place of its native ones (``VELOX_NATIVE=0``), for a before/after."""
-    saved = os.environ.get(native.ENVIRONMENT_VARIABLE)
-    os.environ[native.ENVIRONMENT_VARIABLE] = "0"
+def switched_off(variable: str):
+    """``variable=0`` for the block: ``VELOX_NATIVE`` (the pure-MLX ops in place of the native ones) or
+    ``VELOX_FUSED_ATTENTION`` (the MLX attention kernel in place of the fused one), for a before/after."""
+    saved = os.environ.get(variable)
+    os.environ[variable] = "0"
     try:
         yield
     finally:
         if saved is None:
-            del os.environ[native.ENVIRONMENT_VARIABLE]
+            del os.environ[variable]
         else:
-            os.environ[native.ENVIRONMENT_VARIABLE] = saved
+            os.environ[variable] = saved
+
+
+def pure_mlx_ops():
+    return switched_off(native.ENVIRONMENT_VARIABLE)
+
+
+def mlx_attention_kernel():
+    return switched_off(fused.ENVIRONMENT_VARIABLE)
 
 
 def measure(args) -> None:
     model, tokenizer = load_default_model()
     longest = max(args.contexts) + args.chunk
     tokens = tokenizer.encode(prose(longest, tokenizer))[:longest]
-    floor = matmul_floor(model, args.chunk)
-    print(f"matmul floor of a {args.chunk}-token chunk: {floor * 1000:.0f} ms")
-    print(f"Velox's native ops: {native.status()}")
-    compare = {"activations": mlx_lm_activations, "native": pure_mlx_ops}.get(args.compare)
-    baseline = {"activations": "mlx-lm's activations", "native": "pure-MLX ops"}.get(args.compare)
-    print("| cache | tokens held before the chunk | forward ms | floor / forward |"
-          + (f" forward ms, {baseline} | speed-up |" if compare else ""))
-    print("|---|---|---|---|" + ("---|---|" if compare else ""))
+    floor, linear_flops = matmul_floor(model, args.chunk)
+    gemm_rate = linear_flops / floor
+    print(f"linear floor of a {args.chunk}-token chunk: {floor * 1000:.0f} ms "
+          f"({linear_flops / 1e9:.1f} GFLOP at {gemm_rate / 1e9:.0f} GFLOP/s, the GEMM rate)")
+    print(f"Velox's native ops: {native.status()}; fused attention: {'on' if fused.available() else 'off'}")
+    compare = {"activations": mlx_lm_activations, "native": pure_mlx_ops, "attention": mlx_attention_kernel}.get(
+        args.compare)
+    baseline = {"activations": "mlx-lm's activations", "native": "pure-MLX ops",
+                "attention": "MLX attention kernel"}.get(args.compare)
+    print("| cache | tokens held before the chunk | forward ms | linear floor / forward "
+          "| linear + attention floor ms | floor / forward |" + (f" forward ms, {baseline} | speed-up |" if compare else ""))
+    print("|---|---|---|---|---|---|" + ("---|---|" if compare else ""))
     for name, config in kinds(args.budget).items():
         for context in args.contexts:
             chunk_forward(model, tokens, config, context, args.chunk)  # warm-up
             if args.stamps:
                 print(f"START {time.clock_gettime(time.CLOCK_MONOTONIC):.6f}", flush=True)
-            seconds = min(chunk_forward(model, tokens, config, context, args.chunk) for _ in range(args.repeats))
+            runs = [chunk_forward(model, tokens, config, context, args.chunk) for _ in range(args.repeats)]
             if args.stamps:
                 print(f"END {time.clock_gettime(time.CLOCK_MONOTONIC):.6f} {name} {context}", flush=True)
-            line = f"| {name} | {context} | {seconds * 1000:.0f} | {floor / seconds:.0%} |"
+            seconds, held = min(runs)
+            with_attention = floor + attention_flops(model, args.chunk, held) / gemm_rate
+            line = (f"| {name} | {context} | {seconds * 1000:.0f} | {floor / seconds:.0%} "
+                    f"| {with_attention * 1000:.0f} | {with_attention / seconds:.0%} |")
             if compare:
                 with compare():
-                    before = min(chunk_forward(model, tokens, config, context, args.chunk) for _ in range(args.repeats))
+                    before = min(chunk_forward(model, tokens, config, context, args.chunk)[0]
+                                 for _ in range(args.repeats))
                 line += f" {before * 1000:.0f} | {before / seconds:.2f}x |"
             print(line, flush=True)
 
@@ -185,9 +224,10 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=int, default=512, help="the streaming cache's budget")
     parser.add_argument("--repeats", type=int, default=3, help="forward passes timed per row (best taken)")
     parser.add_argument("--perf", action="store_true", help="also split each forward pass by perf samples")
-    parser.add_argument("--compare", choices=["activations", "native"],
+    parser.add_argument("--compare", choices=["activations", "native", "attention"],
                         help="also time each row with mlx-lm's own activations (velox_cache.kernels.elementwise off), "
-                             "or with Velox's pure-MLX ops in place of its native ones (VELOX_NATIVE=0)")
+                             "with Velox's pure-MLX ops in place of its native ones (VELOX_NATIVE=0), or with the "
+                             "MLX attention kernel in place of the fused one (VELOX_FUSED_ATTENTION=0)")
     parser.add_argument("--stamps", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     (profile if args.perf else measure)(args)

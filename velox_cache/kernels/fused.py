@@ -13,11 +13,13 @@ only those rows).
 It does not round as the pure-MLX kernel does (a ~1 ulp float32 ``exp``, FMA,
 another summation order): both stay within ``native.ATTENTION_TOLERANCE`` of
 a float64 reference, and the pure kernel stays the reference and the fallback
-(``VELOX_NATIVE=0``, or a module built before the primitive existed).
+(``VELOX_NATIVE=0``, ``VELOX_FUSED_ATTENTION=0`` for this primitive alone, or
+a module built before the primitive existed).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import mlx.core as mx
@@ -25,9 +27,13 @@ import mlx.core as mx
 from . import native
 from .attention import Mask
 
+ENVIRONMENT_VARIABLE = "VELOX_FUSED_ATTENTION"  # "0": the MLX kernel, with the other native ops still on
+
 
 def available() -> bool:
-    """True when the native ops are in use and have the fused attention."""
+    """True when the native ops are in use, have the fused attention, and ``VELOX_FUSED_ATTENTION`` is not 0."""
+    if os.environ.get(ENVIRONMENT_VARIABLE) == "0":
+        return False
     ops = native.ops()
     return ops is not None and hasattr(ops, "attention")
 

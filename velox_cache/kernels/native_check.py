@@ -21,7 +21,9 @@ def self_check() -> str:
     ``row_max`` and ``shifted_exp`` must match bit for bit (masked ``-inf``
     keys, fully masked rows, strided rows and broadcast shifts included);
     ``swiglu`` within ``native.SWIGLU_TOLERANCE`` (relative) of a float64 reference;
-    ``rope`` within ``native.ROPE_TOLERANCE`` of ``mx.fast.rope``.
+    ``rope`` within ``native.ROPE_TOLERANCE`` of ``mx.fast.rope``; the fused
+    ``attention`` within twice ``native.ATTENTION_TOLERANCE`` of the MLX
+    kernel (output, key mass, entropy; causal and boolean-masked calls).
     """
     module, problem = native.built()
     if module is None:
@@ -58,4 +60,26 @@ def self_check() -> str:
             error = (mx.abs(got - expected).max() / mx.abs(x).max()).item()
             if got.shape != x.shape or not error <= native.ROPE_TOLERANCE:
                 problems.append(f"rope (traditional={traditional}) differs by {error:.2e} (tolerance {native.ROPE_TOLERANCE:.0e})")
+        if hasattr(module, "attention"):
+            problems += _attention_problems(module)
     return "; ".join(problems)
+
+
+def _attention_problems(module) -> list[str]:
+    """The fused attention against the MLX kernel (``fused=False``) on a causal chunk and a boolean mask."""
+    queries = mx.random.normal((1, 6, 40, 32), key=mx.random.key(5)) * 2
+    keys = mx.random.normal((1, 2, 150, 32), key=mx.random.key(6)) * 2
+    values = mx.random.normal((1, 2, 150, 32), key=mx.random.key(7))
+    allowed = (mx.random.uniform(shape=(1, 1, 40, 150), key=mx.random.key(8)) < 0.7) | (mx.arange(150) == 0)
+    bound = 2 * native.ATTENTION_TOLERANCE
+    problems = []
+    for name, mask in (("causal", "causal"), ("boolean mask", allowed)):
+        options = dict(scale=32**-0.5, score_rows=12, entropy_rows=3)
+        output, mass, entropy = module.attention(queries, keys, values, None if isinstance(mask, str) else mask,
+                                                 causal=isinstance(mask, str), **options)
+        expected = kernel.blocked_attention(queries, keys, values, mask=mask, fused=False, **options)
+        errors = [mx.abs(output - expected[0]).max().item() / mx.abs(values).max().item(),
+                  mx.abs(mass - expected[1]).max().item(), abs(entropy.item() - expected[2].item()) / (6 * 3)]
+        if not max(errors) <= bound:
+            problems.append(f"attention ({name}) differs by {max(errors):.2e} (tolerance {bound:.0e})")
+    return problems

@@ -19,15 +19,26 @@ import pytest
 import velox_cache
 from velox_cache.kernels import fused, kernel, native
 
-pytestmark = pytest.mark.skipif(not fused.available(), reason=f"fused native attention: {native.status()}")
+pytestmark = pytest.mark.skipif(
+    native.ops() is None or not hasattr(native.ops(), "attention"), reason=f"fused native attention: {native.status()}"
+)
 
 TOLERANCE = native.ATTENTION_TOLERANCE
+
+
+@pytest.fixture(autouse=True)
+def fused_on(monkeypatch):
+    """Whatever the shell says, these tests compare the fused primitive (on) with the MLX kernel."""
+    monkeypatch.delenv(fused.ENVIRONMENT_VARIABLE, raising=False)
 
 # (batch, kv heads, group, queries, keys, head dim, mask)
 CASES = {
     "decode": (1, 3, 3, 1, 77, 64, None),
     "decode-causal": (1, 2, 4, 1, 50, 16, "causal"),
     "decode-batch-rows": (3, 3, 3, 1, 130, 64, "bool-per-sequence"),
+    "decode-group2": (1, 2, 2, 1, 45, 24, None),
+    "few-rows-odd-dim": (1, 2, 2, 2, 70, 20, "causal"),  # two queries x two heads: the few-rows tiles
+    "few-rows-additive": (2, 1, 3, 1, 90, 16, "additive-3d"),
     "chunk-causal-group3": (1, 3, 3, 37, 101, 32, "causal"),
     "chunk-causal-many-blocks": (1, 3, 3, 150, 700, 64, "causal"),  # several tasks and key blocks, two threads
     "square-causal-group1": (2, 2, 1, 40, 40, 16, "causal"),
@@ -179,32 +190,51 @@ def test_half_precision_inputs_give_their_dtype_back(dtype):
     assert mx.allclose(got.astype(mx.float32), up, atol=0.05).item()
 
 
-def test_the_baseline_tiles_compute_the_same_attention():
-    """``VELOX_NATIVE_ISA=baseline`` picks the portable tiles (read once per process, so in a fresh one)."""
+def _probe(environment: dict, cases) -> list[str]:
+    """The instruction set and each case's largest error, computed in a fresh interpreter under ``environment``.
+
+    The module reads ``VELOX_NATIVE_ISA`` and ``VELOX_ATTENTION_THREADS`` once per process.
+    """
     probe = (
-        "import numpy as np, mlx.core as mx\n"
+        "import sys, mlx.core as mx\n"
         "from velox_cache.kernels import native\n"
         "from tests.velox_cache.kernels.test_native_attention import CASES, _inputs, _reference, _errors\n"
         "print(native.ops().attention_instruction_set())\n"
-        "for case in ('chunk-causal-group3', 'square-causal-odd', 'bool-mask-rows'):\n"
+        "for case in sys.argv[1:]:\n"
         "    q, k, v, mask = _inputs(*CASES[case])\n"
         "    got = native.ops().attention(q, k, v, mask if isinstance(mask, mx.array) else None, scale=0.2,\n"
         "                                 causal=isinstance(mask, str), score_rows=5, entropy_rows=3)\n"
-        "    print(max(_errors(got, _reference(q, k, v, 0.2, mask, 5, 3), v, q.shape[1] * 3)))\n"
+        "    rows = q.shape[0] * q.shape[1] * min(3, q.shape[2])\n"
+        "    print(max(_errors(got, _reference(q, k, v, 0.2, mask, min(5, q.shape[2]), min(3, q.shape[2])), v, rows)))\n"
     )
-    environment = {**os.environ, "VELOX_NATIVE_ISA": "baseline"}
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=environment,
-                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    result = subprocess.run([sys.executable, "-c", probe, *cases], capture_output=True, text=True,
+                            env={**os.environ, **environment}, cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
-    lines = result.stdout.split()
-    assert lines[0] == "baseline"
-    assert all(float(error) <= TOLERANCE for error in lines[1:])
+    return result.stdout.split()
 
 
-def test_velox_native_0_runs_the_mlx_kernel(monkeypatch):
-    monkeypatch.setenv(native.ENVIRONMENT_VARIABLE, "0")
+def test_the_baseline_tiles_compute_the_same_attention():
+    """``VELOX_NATIVE_ISA=baseline`` picks the portable tiles (4 lanes: other tile shapes, other paths)."""
+    cases = ["decode-group2", "decode", "chunk-causal-group3", "square-causal-odd", "bool-mask-rows"]
+    instruction_set, *errors = _probe({"VELOX_NATIVE_ISA": "baseline"}, cases)
+    assert instruction_set == "baseline"
+    assert all(float(error) <= TOLERANCE for error in errors), errors
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_any_number_of_threads_computes_the_same_attention(threads):
+    instruction_set, *errors = _probe({"VELOX_ATTENTION_THREADS": threads}, ["chunk-causal-many-blocks", "decode"])
+    assert all(float(error) <= TOLERANCE for error in errors), errors
+
+
+@pytest.mark.parametrize("variable", [native.ENVIRONMENT_VARIABLE, fused.ENVIRONMENT_VARIABLE])
+def test_either_switch_runs_the_mlx_kernel(monkeypatch, variable):
+    assert fused.available()
+    monkeypatch.setenv(variable, "0")
     assert not fused.available()
     assert fused.fused_attention(mx.ones((1, 1, 1, 4)), mx.ones((1, 1, 2, 4)), None, scale=1.0) is None
+    assert (native.ops() is None) == (variable == native.ENVIRONMENT_VARIABLE)
 
 
 @pytest.mark.parametrize("context, config", [

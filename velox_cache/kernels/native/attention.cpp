@@ -3,8 +3,8 @@
 // [S, N] scores ever reach memory; grouped-query attention without repeating
 // keys or values; a lower-right aligned causal mask that skips the key blocks
 // a query block cannot see; an optional additive or boolean mask; the tasks
-// (batch, KV head, query block) shared by up to hardware_concurrency() threads
-// (no BLAS). The tile loops are attention_loops.cpp, one set per instruction set.
+// (batch, KV head, query block) shared by the cores, up to 8 threads unless
+// VELOX_ATTENTION_THREADS says otherwise (no BLAS). The tile loops are attention_loops.cpp, one set per instruction set.
 //
 // Outputs, in this order and only those asked for: the attention output
 // [B, H*R, S, D]; each key's attention mass from the last `score_rows` queries,
@@ -44,7 +44,17 @@ namespace velox {
 namespace {
 
 constexpr double MIN_PARALLEL_FLOPS = 4e6;  // below, a second thread costs more to start than it saves
-constexpr unsigned MAX_THREADS = 8;
+constexpr unsigned MAX_THREADS = 8;         // by default; VELOX_ATTENTION_THREADS=n asks for n (read once)
+
+unsigned thread_limit() {
+  static const unsigned limit = [] {
+    const char* asked = std::getenv("VELOX_ATTENTION_THREADS");
+    const int n = asked != nullptr ? std::atoi(asked) : 0;
+    if (n >= 1) return static_cast<unsigned>(std::min(n, 256));
+    return std::min(std::max(1u, std::thread::hardware_concurrency()), MAX_THREADS);
+  }();
+  return limit;
+}
 
 const AttentionLoops& attention_loops() {
   static const AttentionLoops& chosen = best_attention_loops();
@@ -99,8 +109,7 @@ double solve(const AttentionProblem& p, float* key_mass) {
   const int64_t first_scored = std::min(p.score_from, p.entropy_from);
   const auto tasks = tasks_of(p, p.values == nullptr ? first_scored : 0);
   const auto& loops = attention_loops();
-  unsigned threads = std::min<unsigned>({std::max(1u, std::thread::hardware_concurrency()), MAX_THREADS,
-                                         static_cast<unsigned>(std::max<size_t>(1, tasks.size()))});
+  unsigned threads = std::min<unsigned>(thread_limit(), static_cast<unsigned>(std::max<size_t>(1, tasks.size())));
   if (flops_of(p, tasks) < MIN_PARALLEL_FLOPS) threads = 1;
   const size_t mass_size = key_mass != nullptr ? p.batch * p.kv_heads * p.n_keys : 0;
   std::vector<std::vector<float>> helper_mass(threads - 1, std::vector<float>(mass_size, 0.0f));

@@ -51,6 +51,16 @@ constexpr int KEY_BLOCK = 64;                // keys per block: St and a block o
 constexpr int64_t ROWS_PER_TASK = 24 * LANES;  // score rows per task: Qt, St and Ot stay in L2
 typedef float Floats __attribute__((vector_size(VECTOR_BYTES)));
 typedef int32_t Ints __attribute__((vector_size(VECTOR_BYTES)));
+#if defined(__AVX512F__)
+#define LANE_TAIL_8 , 8, 9, 10, 11, 12, 13, 14, 15
+#define LANE_TAIL_4 , 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
+#elif defined(__AVX__)
+#define LANE_TAIL_8
+#define LANE_TAIL_4 , 4, 5, 6, 7
+#else
+#define LANE_TAIL_8
+#define LANE_TAIL_4
+#endif
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
@@ -72,11 +82,25 @@ inline Vector broadcast(Scalar x, std::index_sequence<LANE...>) {
 }
 inline Floats splat(float x) { return broadcast<Floats>(x, std::make_index_sequence<LANES>{}); }
 inline Ints splat_int(int32_t x) { return broadcast<Ints>(x, std::make_index_sequence<LANES>{}); }
-inline float lane_sum(Floats v) {
-  float total = 0.0f;
-  for (int i = 0; i < LANES; ++i) total += v[i];
-  return total;
+// Sum (maximum) of the lanes, by halving: the upper half folded onto the lower.
+inline Floats fold_halves(Floats v, bool maximum) {
+#if defined(__AVX512F__)
+  Floats upper = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v = maximum ? (upper > v ? upper : v) : v + upper;
+#endif
+#if defined(__AVX__) || defined(__AVX512F__)
+  if constexpr (LANES >= 8) {
+    Floats quarter = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3 LANE_TAIL_8);
+    v = maximum ? (quarter > v ? quarter : v) : v + quarter;
+  }
+#endif
+  Floats pair = __builtin_shufflevector(v, v, 2, 3, 0, 1 LANE_TAIL_4);
+  v = maximum ? (pair > v ? pair : v) : v + pair;
+  Floats one = __builtin_shufflevector(v, v, 1, 0, 2, 3 LANE_TAIL_4);
+  return maximum ? (one > v ? one : v) : v + one;
 }
+inline float lane_sum(Floats v) { return fold_halves(v, false)[0]; }
+inline float lane_max(Floats v) { return fold_halves(v, true)[0]; }
 
 // exp(v) in float32, ~1 ulp (Cephes' range reduction and polynomial, as loops.cpp's
 // exp_float32); exactly 0 below -87.3 (so -inf, a masked key, gives 0, never NaN).
@@ -210,6 +234,7 @@ class Task {
   }
 
   void run(ScoreSums& sums) {
+    if (2 * M <= LANES) return few_rows<LANES / 2>(sums);
     const int64_t first_scored = std::min(p_.score_from, p_.entropy_from);
     const int64_t scored_row = std::max<int64_t>(0, (first_scored - t_.first_query) * R);
     // without values only the scored rows matter; their panels start at a whole vector
@@ -387,7 +412,217 @@ class Task {
       sums.entropy += std::log(row_sum) - w_.entropy[m] / row_sum;
     }
   }
+
+  // ------------------------------------------------ few rows (decode steps): keys along the lanes
+
+  // Under half a vector of rows, rows on the lanes would leave most of them empty; here each row is
+  // held in full (Q [ROWS][dp], S [ROWS][KEY_BLOCK], O [ROWS][dp]) and a key's or value's features
+  // go along the lanes: scores are dot products, the output rows accumulate value rows.
+  template <int ROWS>
+  void few_rows(ScoreSums& sums) {
+    if constexpr (ROWS > 1) {
+      if (M < ROWS) return few_rows<ROWS - 1>(sums);
+    }
+    const int64_t dp = (D + LANES - 1) / LANES * LANES;
+    w_.qt.assign(ROWS * dp, 0.0f);
+    w_.st.assign(ROWS * KEY_BLOCK, NEG_INF);
+    w_.ot.assign(ROWS * dp, 0.0f);
+    float row_max[ROWS], row_sum[ROWS], alpha[ROWS];
+    int64_t position[ROWS], mask_row[ROWS] = {};
+    const int64_t* qs = p_.query_strides;
+    for (int m = 0; m < ROWS; ++m) {
+      const int64_t query = query_of(m), head = t_.head * R + m % R;
+      const float* q = p_.queries + t_.batch * qs[0] + head * qs[1] + query * qs[2];
+      for (int64_t d = 0; d < D; ++d) w_.qt[m * dp + d] = q[d * qs[3]] * p_.scale;
+      position[m] = N - S + query;
+      if (p_.mask != nullptr) {
+        const int64_t* ms = p_.mask_strides;
+        mask_row[m] = t_.batch * ms[0] + head * ms[1] + query * ms[2];
+      }
+      row_max[m] = NEG_INF;
+      row_sum[m] = 0.0f;
+    }
+    for (int64_t k0 = 0; k0 < key_end; k0 += KEY_BLOCK) {
+      const int64_t n_block = std::min<int64_t>(KEY_BLOCK, key_end - k0);
+      few_scores<ROWS>(k0, n_block, dp, position, mask_row);
+      const int64_t padded = (n_block + LANES - 1) / LANES * LANES;  // scores past n_block stay -inf
+      for (int m = 0; m < ROWS; ++m) {
+        float* s = w_.st.data() + m * KEY_BLOCK;
+        Floats block_max = splat(NEG_INF);
+        for (int64_t j = 0; j < padded; j += LANES) {
+          const Floats v = load(s + j);
+          block_max = v > block_max ? v : block_max;
+        }
+        const float new_max = std::max(row_max[m], lane_max(block_max));
+        const float shift = new_max == NEG_INF ? 0.0f : new_max;
+        alpha[m] = exp_vector(splat(row_max[m] - shift))[0];
+        Floats sum = Floats{};
+        for (int64_t j = 0; j < padded; j += LANES) {
+          const Floats w = exp_vector(load(s + j) - shift);
+          store(s + j, w);
+          sum += w;
+        }
+        row_sum[m] = row_sum[m] * alpha[m] + lane_sum(sum);
+        row_max[m] = new_max;
+      }
+      if (p_.values != nullptr) few_values<ROWS>(k0, n_block, dp, alpha);
+    }
+    if (p_.output != nullptr) {
+      const int64_t heads = p_.kv_heads * R;
+      for (int m = 0; m < ROWS; ++m) {
+        float* out = p_.output + ((t_.batch * heads + t_.head * R + m % R) * S + query_of(m)) * D;
+        const float inverse = 1.0f / row_sum[m];
+        for (int64_t d = 0; d < D; ++d) out[d] = w_.ot[m * dp + d] * inverse;
+      }
+    }
+    few_score<ROWS>(sums, dp, position, mask_row, row_max, row_sum);
+  }
+
+  // S[m][0:n_block] = the block's scores (dot products, two keys at a time), masked.
+  template <int ROWS>
+  void few_scores(int64_t k0, int64_t n_block, int64_t dp, const int64_t* position, const int64_t* mask_row) {
+    const int64_t full = D / LANES * LANES;
+    const float* q = w_.qt.data();
+    float* s = w_.st.data();
+    int64_t j = 0;
+    for (; j + 2 <= n_block; j += 2) {
+      const float* k = keys + (k0 + j) * key_stride;
+      Floats first[ROWS], second[ROWS];
+      for (int m = 0; m < ROWS; ++m) first[m] = second[m] = Floats{};
+      for (int64_t d = 0; d < full; d += LANES) {
+        const Floats k_first = load(k + d), k_second = load(k + key_stride + d);
+        for (int m = 0; m < ROWS; ++m) {
+          const Floats qv = load(q + m * dp + d);
+          first[m] += qv * k_first;
+          second[m] += qv * k_second;
+        }
+      }
+      for (int m = 0; m < ROWS; ++m) {
+        float a = lane_sum(first[m]), b = lane_sum(second[m]);
+        for (int64_t d = full; d < D; ++d) {
+          a += q[m * dp + d] * k[d];
+          b += q[m * dp + d] * k[key_stride + d];
+        }
+        s[m * KEY_BLOCK + j] = a;
+        s[m * KEY_BLOCK + j + 1] = b;
+      }
+    }
+    for (; j < n_block; ++j) {
+      const float* k = keys + (k0 + j) * key_stride;
+      for (int m = 0; m < ROWS; ++m) {
+        Floats acc = Floats{};
+        for (int64_t d = 0; d < full; d += LANES) acc += load(q + m * dp + d) * load(k + d);
+        float a = lane_sum(acc);
+        for (int64_t d = full; d < D; ++d) a += q[m * dp + d] * k[d];
+        s[m * KEY_BLOCK + j] = a;
+      }
+    }
+    const int64_t padded = (n_block + LANES - 1) / LANES * LANES;
+    for (int m = 0; m < ROWS; ++m) {
+      float* row = s + m * KEY_BLOCK;
+      for (int64_t i = n_block; i < padded; ++i) row[i] = NEG_INF;
+      if (p_.causal)
+        for (int64_t i = std::max<int64_t>(0, position[m] + 1 - k0); i < n_block; ++i) row[i] = NEG_INF;
+      if (p_.mask != nullptr) {
+        const int64_t step = p_.mask_strides[3], base = mask_row[m] + k0 * step;
+        if (p_.mask_is_bool) {
+          const bool* allowed = static_cast<const bool*>(p_.mask) + base;
+          for (int64_t i = 0; i < n_block; ++i)
+            if (!allowed[i * step]) row[i] = NEG_INF;
+        } else {
+          const float* add = static_cast<const float*>(p_.mask) + base;
+          for (int64_t i = 0; i < n_block; ++i) row[i] += add[i * step];
+        }
+      }
+    }
+  }
+
+  // O[m] = O[m] * alpha[m] + sum_j S[m][j] V[j], CHUNK vectors of features at a time.
+  template <int ROWS>
+  void few_values(int64_t k0, int64_t n_block, int64_t dp, const float* alpha) {
+    constexpr int CHUNK = ROWS <= 3 ? 4 : (ROWS <= 6 ? 2 : 1);  // ROWS x CHUNK accumulators
+    float* o = w_.ot.data();
+    for (int m = 0; m < ROWS; ++m)
+      for (int64_t d = 0; d < dp; d += LANES) store(o + m * dp + d, load(o + m * dp + d) * alpha[m]);
+    const float* value = values + k0 * value_stride;
+    const int64_t full = D / LANES * LANES;
+    int64_t d0 = 0;
+    for (; d0 + CHUNK * LANES <= full; d0 += CHUNK * LANES) few_values_chunk<ROWS, CHUNK>(value, n_block, dp, d0);
+    for (; d0 + LANES <= full; d0 += LANES) few_values_chunk<ROWS, 1>(value, n_block, dp, d0);
+    for (int m = 0; m < ROWS; ++m)
+      for (int64_t d = full; d < D; ++d) {
+        float acc = o[m * dp + d];
+        for (int64_t j = 0; j < n_block; ++j) acc += w_.st[m * KEY_BLOCK + j] * value[j * value_stride + d];
+        o[m * dp + d] = acc;
+      }
+  }
+
+  template <int ROWS, int CHUNK>
+  void few_values_chunk(const float* value, int64_t n_block, int64_t dp, int64_t d0) {
+    float* o = w_.ot.data();
+    const float* p = w_.st.data();
+    Floats acc[ROWS][CHUNK];
+    for (int m = 0; m < ROWS; ++m)
+      for (int c = 0; c < CHUNK; ++c) acc[m][c] = load(o + m * dp + d0 + c * LANES);
+    for (int64_t j = 0; j < n_block; ++j) {
+      Floats v[CHUNK];
+      for (int c = 0; c < CHUNK; ++c) v[c] = load(value + j * value_stride + d0 + c * LANES);
+      for (int m = 0; m < ROWS; ++m) {
+        const Floats weight = splat(p[m * KEY_BLOCK + j]);
+        for (int c = 0; c < CHUNK; ++c) acc[m][c] += weight * v[c];
+      }
+    }
+    for (int m = 0; m < ROWS; ++m)
+      for (int c = 0; c < CHUNK; ++c) store(o + m * dp + d0 + c * LANES, acc[m][c]);
+  }
+
+  // The scoring pass of the few rows, as `score` does for many.
+  template <int ROWS>
+  void few_score(ScoreSums& sums, int64_t dp, const int64_t* position, const int64_t* mask_row,
+                 const float* row_max, const float* row_sum) {
+    bool scored = false, any = false;
+    float weight[ROWS];
+    for (int m = 0; m < ROWS; ++m) {
+      weight[m] = query_of(m) >= p_.score_from ? 1.0f / row_sum[m] : 0.0f;
+      scored |= weight[m] != 0.0f;
+      any |= query_of(m) >= std::min(p_.score_from, p_.entropy_from);
+    }
+    if (!any) return;
+    const bool mass = scored && sums.key_mass != nullptr;
+    const bool entropy = p_.entropy_from < S;
+    float* key_mass = mass ? sums.key_mass + (t_.batch * p_.kv_heads + t_.head) * N : nullptr;
+    Floats entropy_sum[ROWS];
+    for (int m = 0; m < ROWS; ++m) entropy_sum[m] = Floats{};
+    float* s = w_.st.data();
+    for (int64_t k0 = 0; k0 < key_end; k0 += KEY_BLOCK) {
+      const int64_t n_block = std::min<int64_t>(KEY_BLOCK, key_end - k0);
+      const int64_t padded = (n_block + LANES - 1) / LANES * LANES;
+      few_scores<ROWS>(k0, n_block, dp, position, mask_row);
+      for (int m = 0; m < ROWS; ++m) {
+        const float shift = row_max[m] == NEG_INF ? 0.0f : row_max[m];
+        for (int64_t j = 0; j < padded; j += LANES) {
+          const Floats x = load(s + m * KEY_BLOCK + j) - shift;
+          const Floats w = exp_vector(x);
+          store(s + m * KEY_BLOCK + j, w);
+          entropy_sum[m] += w * (x > splat(-88.0f) ? x : splat(-88.0f));
+        }
+      }
+      if (!mass) continue;
+      for (int64_t j = 0; j < n_block; ++j) {
+        float total = 0.0f;
+        for (int m = 0; m < ROWS; ++m) total += s[m * KEY_BLOCK + j] * weight[m];
+        key_mass[k0 + j] += total;
+      }
+    }
+    if (!entropy) return;
+    for (int m = 0; m < ROWS; ++m) {
+      if (query_of(m) < p_.entropy_from) continue;
+      const double sum = row_sum[m];
+      sums.entropy += std::log(sum) - lane_sum(entropy_sum[m]) / sum;
+    }
+  }
 };
+
 
 void run_task(const AttentionProblem& problem, const AttentionTask& task, ScoreSums& sums) {
   thread_local Workspace workspace;
