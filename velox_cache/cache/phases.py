@@ -77,8 +77,8 @@ class ProbeMark:
         slots.offset, slots.tokens_seen = self.offset, self.tokens_seen
 
 
-PROBE, LOOK_AHEAD, RECONSTRUCTION = "probe", "look_ahead", "reconstruction"
-PROBE_KINDS = (PROBE, LOOK_AHEAD, RECONSTRUCTION)  # calls that run on top of the prompt and are dropped after
+PROBE, DRAFT, LOOK_AHEAD, RECONSTRUCTION = "probe", "draft", "look_ahead", "reconstruction"
+PROBE_KINDS = (PROBE, DRAFT, LOOK_AHEAD, RECONSTRUCTION)  # calls that run on top of the prompt and are dropped after
 
 PROMPT_SINGLES = 2  # single-token prompt calls mlx-lm can make after a chunk: a one-token remainder, the last token
 
@@ -245,6 +245,13 @@ def look_ahead(caches: list):
     by a window only append and drop.
     """
     with _dropped_afterwards(caches, LOOK_AHEAD) as stack:
+        yield stack
+
+
+@contextlib.contextmanager
+def drafting(caches: list):
+    """Run the block's model calls (tokens drafted after the prompt) with nothing scored, and drop them on exit."""
+    with _dropped_afterwards(caches, DRAFT) as stack:
         yield stack
 
 

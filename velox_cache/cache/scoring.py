@@ -28,6 +28,7 @@ from ..kernels.attend import AttentionResult
 from ..kernels.attention import key_peak
 from ..kernels.masks import MaskMismatchError, fit_mask, is_plain_causal
 from ..kernels.observe import is_observing, is_routed
+from .phases import PROBE
 from .signals import fold_heads, key_proxy_attention
 
 
@@ -181,7 +182,7 @@ class LayerScoring:
     def _rows_for_scores(self, n_queries: int) -> int:
         """How many of this call's last query rows feed the token scores."""
         if self.progress.in_probe:
-            return n_queries if self.timing.uses_probes and not self.progress.looking_ahead else 0
+            return n_queries if self.timing.uses_probes and self.progress.probe_kind == PROBE else 0
         rows = self.signal.rows(n_queries)
         if rows and self.progress.prefilling and self.timing.ranks_by_window and not self.mass_weight:
             return 0  # the window (or a probe) decides; prefill chunks need no scores

@@ -69,6 +69,7 @@ def prefill_phases(
     tell_decode: bool = True,
     stop_tokens: Collection[int] = (),
     repeat: Sequence[int] = (),
+    drafts_after: bool = True,
 ) -> mx.array:
     """Prefill ``prefix + document + instruction`` into ``caches``; returns the last position's logits ``[1, V]``.
 
@@ -82,9 +83,11 @@ def prefill_phases(
     not ended (``velox_cache.generation.reading`` cuts stacks from it first).
 
     Where a cache's config asks for a ``lookahead``, that many tokens are
-    drafted greedily after the prompt (``look_ahead``; ``stop_tokens`` end the
-    draft early) and dropped again: their queries join the window that ranks
-    the prompt when prefill ends. ``after_call`` then sees ``"look_ahead"``.
+    drafted greedily after the prompt (``draft``; ``stop_tokens`` end the draft
+    early), then fed again in one call whose queries join the window that
+    ranks the prompt when prefill ends (``look_ahead``), and dropped.
+    ``after_call`` then sees ``"look_ahead"``. ``drafts_after=False`` leaves
+    that to the caller (a shared reading feeds the full variant's own output).
     Where a cache ranks by ``reconstruction`` (KVzip), the document is then
     re-read piece by piece (``reconstruct``), each piece after ``repeat`` (the
     tokens that ask the model to repeat it), and dropped; ``after_call`` sees
@@ -115,7 +118,7 @@ def prefill_phases(
                 notify("probe", caches)
             mx.eval([c.state for c in caches])
             notify("probe_dropped", caches)
-    drafts = phases.look_ahead_steps(caches)
+    drafts = phases.look_ahead_steps(caches) if drafts_after else 0
     if instruction:
         phases.tell(caches, Phase.INSTRUCTION)
         positions.make_room(len(instruction) + max(max_new_tokens, drafts))
@@ -126,7 +129,7 @@ def prefill_phases(
     if drafts:
         if not instruction:
             positions.make_room(drafts)
-        look_ahead(model, caches, logits, drafts, stop_tokens=stop_tokens)
+        look_ahead(model, caches, draft(model, caches, logits, drafts, stop_tokens=stop_tokens))
         notify("look_ahead", caches)
     if phases.reconstructs(caches):
         reconstruct(model, caches, list(document) or body, repeat, chunk_size, positions.context,
@@ -137,24 +140,38 @@ def prefill_phases(
     return logits
 
 
-def look_ahead(model, caches: list, logits: mx.array, steps: int, stop_tokens: Collection[int] = ()) -> list[int]:
-    """Draft up to ``steps`` greedy tokens after the prompt (``logits``: its last position's), then drop them.
+def draft(model, caches: list, logits: mx.array, steps: int, stop_tokens: Collection[int] = ()) -> list[int]:
+    """Up to ``steps`` greedy tokens after the prompt (``logits``: its last position's), drafted and dropped.
 
-    Runs inside ``phases.look_ahead``: every cache appends the drafted tokens,
-    windows remember their queries, and on exit every cache is as the prompt
-    left it. Stops after a token of ``stop_tokens`` (its query still counts).
-    Returns the drafted tokens.
+    Runs inside ``phases.drafting``: every cache appends the tokens and, on
+    exit, is as the prompt left it; nothing is scored or remembered. Stops
+    before a token of ``stop_tokens`` (it ends the answer: no query of its own).
     """
     drafted: list[int] = []
-    with phases.look_ahead(caches):
+    with phases.drafting(caches):
         for _ in range(steps):
             token = int(mx.argmax(logits, axis=-1).item())
-            drafted.append(token)
-            logits = _run(model, [token], caches)
             if token in stop_tokens:
                 break
+            drafted.append(token)
+            if len(drafted) < steps:
+                logits = _run(model, [token], caches)
     mx.eval([c.state for c in caches])
     return drafted
+
+
+def look_ahead(model, caches: list, tokens: Sequence[int]) -> None:
+    """Feed ``tokens`` (drafted after the prompt, or an answer already known) in one call, then drop them.
+
+    Runs inside ``phases.look_ahead``: windows remember the tokens' queries (each
+    cache its own config's ``lookahead`` first ones) for the ranking at the end
+    of prefill, and on exit every cache is as the prompt left it.
+    """
+    if not tokens:
+        return
+    with phases.look_ahead(caches):
+        _run(model, list(tokens), caches)
+    mx.eval([c.state for c in caches])
 
 
 REPEAT_REQUEST = "\n\nRepeat the previous context exactly.\n\n"

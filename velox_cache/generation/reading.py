@@ -31,7 +31,8 @@ from ..cache.base import EvictingKVCache
 from ..cache.choices import PolicyChoices
 from ..config import KVCacheConfig
 from ..policies import POLICIES
-from .prefill import model_context, prefill_phases
+from .prefill import draft as draft_tokens
+from .prefill import look_ahead, model_context, prefill_phases
 from .routing import attention_routing
 
 FULL = KVCacheConfig(method="full")
@@ -149,6 +150,7 @@ class SharedReading:
                     f"model: layers Velox does not compress ({', '.join(sorted(kinds))}) cannot be shared by a reading"
                 )
         self.logits: Optional[mx.array] = None
+        self.looked_ahead = False  # the draft was fed (``look_ahead``), or none is needed
 
     @classmethod
     def prefill(
@@ -164,6 +166,7 @@ class SharedReading:
         context_length: Optional[int] = None,
         stop_tokens: Collection[int] = (),
         repeat: Sequence[int] = (),
+        draft: bool = True,
     ) -> "SharedReading":
         """Read ``prefix + document + instruction`` once for ``configs`` (any mix of ``full`` and prefill-end ones).
 
@@ -171,7 +174,9 @@ class SharedReading:
         ``attention_routing`` for all of them. The prompt and ``max_new_tokens``
         must fit the model's context (a longer document streams: not derivable).
         Where configs ask for a ``lookahead``, the full stack drafts the most any
-        asks for, once, and each recording's window takes its own config's share;
+        asks for, once, and each recording's window takes its own config's share
+        (``draft=False``: not now; ``look_ahead`` feeds the draft later, e.g. the
+        full variant's own output once it is decoded);
         where one ranks by reconstruction, the document is re-read once after
         ``repeat`` (``prefill_phases``).
         """
@@ -189,10 +194,39 @@ class SharedReading:
             reading.logits = prefill_phases(
                 model, layers, prefix=prefix, document=document, instruction=instruction, chunk_size=chunk_size,
                 max_new_tokens=max_new_tokens, context_length=context_length, tell_decode=False,
-                stop_tokens=stop_tokens, repeat=repeat,
+                stop_tokens=stop_tokens, repeat=repeat, drafts_after=False,
             )
+        reading.looked_ahead = not reading.look_ahead_steps
+        if draft and not reading.looked_ahead:
+            with attention_routing(model, [FULL]):
+                drafted = draft_tokens(model, reading._full, reading.logits, reading.look_ahead_steps, stop_tokens)
+            reading.look_ahead(drafted)
         phases.tell(reading._full, phases.Phase.DECODE)
         return reading
+
+    @property
+    def look_ahead_steps(self) -> int:
+        """The most drafted tokens any config read asks for (``lookahead``)."""
+        return max((config.lookahead for config in self.configs), default=0)
+
+    def look_ahead(self, tokens: Sequence[int]) -> None:
+        """Feed the draft after the prompt (at most ``look_ahead_steps`` of ``tokens``), once, before any cut.
+
+        The tokens run through the recordings only (the full stack may have
+        decoded meanwhile), one call per ``lookahead`` asked for, of that many
+        tokens, whose windows remember their queries as each config's own
+        prefill does (``velox_cache.generation.prefill.look_ahead``): with the same
+        tokens (its greedy draft), cut stacks equal their own prefill's.
+        """
+        if self.looked_ahead:
+            raise RuntimeError("look_ahead: this reading has its draft already")
+        steps = sorted({recording[0].config.lookahead for recording in self._recordings} - {0})
+        with attention_routing(self.model, self.configs):
+            for k in steps:  # one call per length: each recording sees exactly the call its own prefill makes
+                recordings = [r for r in self._recordings if r[0].config.lookahead == k]
+                layers = [_ReadingLayer(list(recorded)) for recorded in zip(*recordings)]
+                look_ahead(self.model, layers, list(tokens)[:k])
+        self.looked_ahead = True
 
     @property
     def nbytes(self) -> int:
@@ -216,6 +250,8 @@ class SharedReading:
             raise NotDerivable(
                 f"config: {config.method} ranks by what this reading did not record; read it with this config"
             )
+        if config.lookahead and not self.looked_ahead:
+            raise NotDerivable("lookahead: this reading has no draft yet; feed it first (look_ahead(tokens))")
         recording = self._recordings[self._recipes.index(recipe)]
         stack = KVCacheBuilder.for_model(self.model, config, prompt_tokens=self.prompt_tokens, new_tokens=self.new_tokens)
         for target, source in zip(phases.leaves(stack), phases.leaves(recording)):

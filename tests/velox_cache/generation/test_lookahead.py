@@ -5,7 +5,7 @@ import pytest
 
 from velox_cache import KVCacheBuilder, KVCacheConfig, KVCacheFactory, prefill_phases
 from velox_cache.config import ConfigError
-from velox_cache.generation.prefill import look_ahead
+from velox_cache.generation.prefill import draft
 from velox_cache.generation.routing import attention_routing
 
 WINDOW = 4
@@ -51,7 +51,7 @@ def test_the_window_holds_the_prompts_last_queries_then_the_drafted_ones(tiny_mo
         assert cache.slots.held_positions().max().item() == length - 1
 
 
-def test_the_draft_is_the_full_caches_greedy_start_and_stops_at_a_stop_token(tiny_model):
+def test_the_draft_is_the_full_caches_greedy_start_and_stops_before_a_stop_token(tiny_model):
     model, tokenizer = tiny_model
     document, instruction = _prompt(tokenizer)
     expected = _full_greedy(model, document, instruction, 5)
@@ -60,9 +60,9 @@ def test_the_draft_is_the_full_caches_greedy_start_and_stops_at_a_stop_token(tin
     with attention_routing(model, [config]):
         logits = prefill_phases(model, caches, document=document, instruction=instruction, chunk_size=16,
                                 tell_decode=False)
-        assert look_ahead(model, caches, logits, 5) == expected
+        assert draft(model, caches, logits, 5) == expected
         stop = expected[1]
-        assert look_ahead(model, caches, logits, 5, stop_tokens={stop}) == expected[: expected.index(stop) + 1]
+        assert draft(model, caches, logits, 5, stop_tokens={stop}) == expected[: expected.index(stop)]
 
 
 def test_drafted_queries_change_what_the_selection_keeps_and_decoding_starts_at_the_prompts_end(tiny_model):
