@@ -7,6 +7,7 @@ exception: the other variants of the document still run.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
@@ -15,10 +16,11 @@ from velox_cache.generation.reading import NotDerivable, reading_recipe
 from . import model_store
 from .generation import (
     GenerationResult,
+    cut_shared,
     frontier_rows,
     generate_together,
-    prefill_shared,
     prefill_variant,
+    read_shared,
 )
 from .plan import WorkItem
 from .platform import set_blas_threads
@@ -119,11 +121,15 @@ class _Prefilled:
 
 class SharedReadings:
     """Each item's variants that can share one reading (the full cache and ``prefill_end`` variants of one
-    prompt), prefilled together the first time one of them is due, then handed out one by one."""
+    prompt): read the first time one of them is due, then each variant's run cut when it is due.
+
+    Variants with a ``lookahead`` are cut after the full variant decoded: its output is
+    their draft (``SharedReading.look_ahead``), so drafting costs one call, not a decode.
+    """
 
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
-        self._runs: dict = {}  # (item index, variant name) -> PrefilledVariant, or the reading's error
+        self._readings: dict = {}  # item index -> [Reading or the reading's error or None, variant names still due]
 
     @staticmethod
     def sharing(item: WorkItem) -> list:
@@ -135,30 +141,65 @@ class SharedReadings:
         full = any(variant.cache.method == "full" for variant in found)
         return found if len(found) > 1 or (full and frontier_points(item)) else []
 
-    def take(self, item: WorkItem, variant):
+    def take(self, item: WorkItem, variant, references: "References"):
         """``variant``'s run from ``item``'s shared reading (read now if it is the first); None when it has none.
 
-        Raises the reading's error, for each variant that shared it.
+        Raises the reading's error, for each variant that shared it. The first run
+        (the full variant's, when there is one) carries the reading's seconds and,
+        where the job measures a frontier, the reading itself (``run.reading``);
+        a look-ahead's call counts to the first variant that needs it.
         """
-        key = (item.index, variant.name)
-        if key not in self._runs:
+        if item.index not in self._readings:
             sharing = self.sharing(item)
             if variant not in sharing:
                 return None
-            full_first = sharing[0].cache.method == "full"
-            also_read = [config for _, _, config in frontier_points(item)] if full_first else []
-            try:
-                runs = prefill_shared(self.model, self.tokenizer, item.prompt, [v.cache for v in sharing],
-                                      item.generation, also_read=also_read)
-            except NotDerivable:  # e.g. a model with layers Velox leaves alone: each variant reads its own
-                runs = [None] * len(sharing)
-            except Exception as exc:  # noqa: BLE001 - every variant of the reading fails with it
-                runs = [exc] * len(sharing)
-            self._runs.update({(item.index, v.name): run for v, run in zip(sharing, runs)})
-        run = self._runs.pop(key)
-        if isinstance(run, Exception):
-            raise run
+            self._readings[item.index] = self._read(item, sharing)
+        entry = self._readings[item.index]
+        if variant.name not in entry.due:
+            return None
+        entry.due.discard(variant.name)
+        if not entry.due:
+            del self._readings[item.index]
+        if isinstance(entry.reading, Exception):
+            raise entry.reading
+        if entry.reading is None:
+            return None
+        shared, ahead = entry.reading.shared, 0.0
+        if variant.cache.lookahead and not shared.looked_ahead:
+            reference, _ = references.of(item)
+            if reference is None:  # the full variant failed: no draft; this variant reads on its own
+                return None
+            start = time.perf_counter()
+            shared.look_ahead(reference.token_ids)
+            ahead = time.perf_counter() - start
+        first = variant.name == entry.first
+        run = cut_shared(self.tokenizer, entry.reading, variant.cache, item.generation, with_reading=first)
+        run.prefill_seconds += ahead
+        if first and entry.frontier:
+            run.reading = shared
         return run
+
+    def _read(self, item: WorkItem, sharing: list) -> "_Reading":
+        full_first = sharing[0].cache.method == "full"
+        also_read = [config for _, _, config in frontier_points(item)] if full_first else []
+        try:  # with the full variant, its own output is the look-ahead's draft: none drafted now
+            reading = read_shared(self.model, self.tokenizer, item.prompt, [v.cache for v in sharing] + also_read,
+                                  item.generation, draft=not full_first)
+        except NotDerivable:  # e.g. a model with layers Velox leaves alone: each variant reads its own
+            reading = None
+        except Exception as exc:  # noqa: BLE001 - every variant of the reading fails with it
+            reading = exc
+        return _Reading(reading, {v.name for v in sharing}, sharing[0].name, bool(also_read))
+
+
+@dataclass
+class _Reading:
+    """One item's reading (or its error, or None: not derivable), the variants still to cut from it."""
+
+    reading: object  # generation.Reading, an Exception, or None
+    due: set
+    first: str
+    frontier: bool
 
 
 def _derivable(config) -> bool:
@@ -185,7 +226,7 @@ def _prefill(model, tokenizer, item, variant, references: References, outcomes,
     own_prompt = item.streamed is not None and prompt is item.streamed
     reference, missing = (None, None) if is_full else (None, OWN_PROMPT) if own_prompt else references.of(item)
     try:
-        shared = readings.take(item, variant) if readings is not None else None
+        shared = readings.take(item, variant, references) if readings is not None else None
         if shared is not None:
             shared.refer_to(reference)
             return _Prefilled(item, variant, shared, missing)

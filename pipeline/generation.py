@@ -180,51 +180,82 @@ def prefill_variant(
     )
 
 
-def prefill_shared(
-    model, tokenizer, prompt: Prompt, configs: list[KVCacheConfig], settings: GenerationSpec, *,
-    also_read: list[KVCacheConfig] = (),
-) -> list[PrefilledVariant]:
-    """One ``PrefilledVariant`` per config, all cut from one reading of ``prompt`` (``SharedReading``).
+@dataclass
+class Reading:
+    """One prompt read once (``read_shared``): the ``SharedReading``, its seconds and its own peak."""
 
-    Every run equals what ``prefill_variant`` gives its config alone (tokens,
-    caches, accounting). Seconds: the reading goes to the first config (the full
-    variant, when there is one), each other config's ``prefill_seconds`` is the
-    time to cut its stack; every run records the reading's as ``reading_seconds``.
-    Each compressed run keeps a snapshot for teacher forcing until told its
-    reference (``refer_to``). Raises ``NotDerivable`` when the configs cannot share.
-    ``also_read``: configs to cut later (``frontier_rows``); the first run then keeps
-    the reading (``reading``) until it is done with.
+    shared: SharedReading
+    prompt: Prompt
+    seconds: float
+    peak_bytes: int
+
+
+def read_shared(
+    model, tokenizer, prompt: Prompt, configs: list[KVCacheConfig], settings: GenerationSpec, *, draft: bool = True
+) -> Reading:
+    """Read ``prompt`` once for ``configs`` (``SharedReading.prefill``); cut each run with ``cut_shared``.
+
+    ``draft=False``: configs with a ``lookahead`` wait for their draft
+    (``Reading.shared.look_ahead``), the full variant's own output once decoded.
+    Raises ``NotDerivable`` when the configs cannot share.
     """
     with OwnPeak() as peak:
         start = time.perf_counter()
         reading = SharedReading.prefill(
-            model, [*configs, *also_read], prefix=prompt.prefix, document=prompt.document,
+            model, configs, prefix=prompt.prefix, document=prompt.document,
             instruction=prompt.instruction, chunk_size=settings.prefill_step_size, max_new_tokens=settings.max_tokens,
-            stop_tokens=frozenset(tokenizer.eos_token_ids), repeat=repeat_request(tokenizer),
+            stop_tokens=frozenset(tokenizer.eos_token_ids), repeat=repeat_request(tokenizer), draft=draft,
         )
         mx.eval(reading.logits)
-        reading_seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start
+    return Reading(reading, prompt, seconds, peak.bytes)
+
+
+def cut_shared(
+    tokenizer, reading: Reading, config: KVCacheConfig, settings: GenerationSpec, *, with_reading: bool = False
+) -> PrefilledVariant:
+    """``config``'s run cut from ``reading``: what ``prefill_variant`` gives it alone (tokens, caches, accounting).
+
+    ``prefill_seconds``: the time to cut its stack, plus the reading's when
+    ``with_reading`` (the full variant's, or the first config's); ``reading_seconds``:
+    the reading's. A compressed run keeps a snapshot for teacher forcing until
+    told its reference (``refer_to``).
+    """
+    start = time.perf_counter()
+    shared = reading.shared
+    caches = shared.full() if config.method == "full" else shared.derive(config)
+    sampler = TokenChoice(settings, reading.prompt.tokens)
+    first_logprobs = sampler.logprobs(shared.logits)
+    mx.eval(first_logprobs)
+    seconds = time.perf_counter() - start + (reading.seconds if with_reading else 0.0)
     eos = frozenset(tokenizer.eos_token_ids)
-    runs = []
-    for index, config in enumerate(configs):
-        start = time.perf_counter()
-        caches = reading.full() if config.method == "full" else reading.derive(config)
-        sampler = TokenChoice(settings, prompt.tokens)
-        first_logprobs = sampler.logprobs(reading.logits)
-        mx.eval(first_logprobs)
-        seconds = time.perf_counter() - start + (reading_seconds if index == 0 else 0.0)
-        runs.append(PrefilledVariant(
-            DecodeRow(caches, sampler, first_logprobs, settings.max_tokens, eos),
-            config,
-            prompt_tokens=len(prompt.tokens),
-            prefill_seconds=seconds,
-            prefill_peak_bytes=peak.bytes,
-            first_logprobs=first_logprobs,
-            prefill_end=None if config.method == "full" else snapshot(caches),
-            reading_seconds=reading_seconds,
-        ))
+    return PrefilledVariant(
+        DecodeRow(caches, sampler, first_logprobs, settings.max_tokens, eos),
+        config,
+        prompt_tokens=len(reading.prompt.tokens),
+        prefill_seconds=seconds,
+        prefill_peak_bytes=reading.peak_bytes,
+        first_logprobs=first_logprobs,
+        prefill_end=None if config.method == "full" else snapshot(caches),
+        reading_seconds=reading.seconds,
+    )
+
+
+def prefill_shared(
+    model, tokenizer, prompt: Prompt, configs: list[KVCacheConfig], settings: GenerationSpec, *,
+    also_read: list[KVCacheConfig] = (),
+) -> list[PrefilledVariant]:
+    """One ``PrefilledVariant`` per config, all cut from one reading of ``prompt`` now (``read_shared``, ``cut_shared``).
+
+    Seconds: the reading goes to the first config (the full variant, when there
+    is one). Look-ahead drafts come from the reading's full stack.
+    ``also_read``: configs to cut later (``frontier_rows``); the first run then keeps
+    the reading (``reading``) until it is done with.
+    """
+    reading = read_shared(model, tokenizer, prompt, [*configs, *also_read], settings)
+    runs = [cut_shared(tokenizer, reading, config, settings, with_reading=index == 0) for index, config in enumerate(configs)]
     if also_read:
-        runs[0].reading = reading
+        runs[0].reading = reading.shared
     return runs
 
 
@@ -236,6 +267,8 @@ def frontier_rows(model, run: PrefilledVariant, points: list, reference: Referen
     ``teacher_force_together``): one row per point with its agreement, NLL gap and bytes.
     """
     reading, run.reading = run.reading, None
+    if not reading.looked_ahead:
+        reading.look_ahead(reference.token_ids)  # the full output is the draft
     prompt_tokens = reading.prompt_tokens
     stacks, cut_seconds = [], []
     for _, _, config in points:

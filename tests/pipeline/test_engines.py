@@ -115,7 +115,7 @@ def test_a_shared_reading_that_raises_fails_the_variants_that_shared_it_and_no_o
     def no_reading(*args, **kwargs):
         raise MemoryError("no room to read")
 
-    monkeypatch.setattr(pipeline.execute, "prefill_shared", no_reading)
+    monkeypatch.setattr(pipeline.execute, "read_shared", no_reading)
     outcomes = execute(*tiny_model, item)
     assert [(o.variant, o.error) for o in outcomes] == [
         ("full", "MemoryError: no room to read"), ("pyramid", "MemoryError: no room to read"), ("streamed", None)

@@ -1,5 +1,6 @@
 """velox-batch end to end on the tiny model with temporary Parquet files."""
 
+import functools
 import json
 import os
 import signal
@@ -113,9 +114,19 @@ def test_decode_batch_sizes_store_the_same_rows(job, tmp_path):
     assert stored[4][2] == [("full", 4), ("pyramid", 4), ("squeeze", 4)]
 
 
-def test_variants_sharing_one_reading_store_what_they_store_one_at_a_time(job, tmp_path):
+LOOKING_AHEAD = [  # the full variant's own output is their draft when they share its reading; alone, they draft it
+    {"name": "full", "method": "full"},
+    {"name": "pyramid", "method": "pyramidkv", "budget": 24, "lookahead": 4, "kernel": 1},
+    {"name": "squeeze", "method": "squeeze", "budget": 24, "lookahead": 6},
+]
+
+
+@pytest.mark.parametrize("variants", [None, LOOKING_AHEAD], ids=["plain", "look-ahead"])
+def test_variants_sharing_one_reading_store_what_they_store_one_at_a_time(job, tmp_path, variants):
     """The full and prefill-end variants of a document share one reading: the rows are those of separate runs."""
     write_corpus(tmp_path / "corpus.parquet", n=4)
+    if variants is not None:
+        job = functools.partial(job, variants=variants)
     outputs = (
         "document_id, variant, status, output, prompt_tokens, output_tokens, stop_reason, kept_bytes, full_seq_bytes, "
         "compression_ratio, rouge_l_vs_full, agreement_vs_full, nll_gap_vs_full, output_token_ids, output_logprobs, "
