@@ -5,7 +5,8 @@ tokens are already held:
 
 - ``linear floor``: the same linear layers alone (q, k, v, o, gate, up, down
   of every layer over a ``[1, chunk, hidden]`` input), what the chunk costs at
-  the BLAS's speed; their flops over that time is the measured GEMM rate;
+  the BLAS's speed; their flops over that time is the measured GEMM rate
+  (measured again beside each row, as other work on the machine moves it);
 - ``+ attention floor``: the linear floor plus the chunk's attention matmuls
   at that GEMM rate (2 matmuls x 2 flops x query heads x chunk x visible keys
   x head dim per layer, the keys each layer held before the chunk read from
@@ -168,9 +169,9 @@ def measure(args) -> None:
         args.compare)
     baseline = {"activations": "mlx-lm's activations", "native": "pure-MLX ops",
                 "attention": "MLX attention kernel"}.get(args.compare)
-    print("| cache | tokens held before the chunk | forward ms | linear floor / forward "
+    print("| cache | tokens held before the chunk | forward ms | linear floor ms | linear floor / forward "
           "| linear + attention floor ms | floor / forward |" + (f" forward ms, {baseline} | speed-up |" if compare else ""))
-    print("|---|---|---|---|---|---|" + ("---|---|" if compare else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|---|" if compare else ""))
     for name, config in kinds(args.budget).items():
         for context in args.contexts:
             chunk_forward(model, tokens, config, context, args.chunk)  # warm-up
@@ -180,8 +181,10 @@ def measure(args) -> None:
             if args.stamps:
                 print(f"END {time.clock_gettime(time.CLOCK_MONOTONIC):.6f} {name} {context}", flush=True)
             seconds, held = min(runs)
+            floor, linear_flops = matmul_floor(model, args.chunk)  # again beside the row: the load may have moved
+            gemm_rate = linear_flops / floor
             with_attention = floor + attention_flops(model, args.chunk, held) / gemm_rate
-            line = (f"| {name} | {context} | {seconds * 1000:.0f} | {floor / seconds:.0%} "
+            line = (f"| {name} | {context} | {seconds * 1000:.0f} | {floor * 1000:.0f} | {floor / seconds:.0%} "
                     f"| {with_attention * 1000:.0f} | {with_attention / seconds:.0%} |")
             if compare:
                 with compare():
