@@ -7,7 +7,10 @@ the entropy of the last ``entropy_rows`` queries, never the whole
 
 - On MLX's CPU backend: Velox's own kernel (``velox_cache.kernels.kernel``): causal
   query blocks, float32 scores, a multiply/add ``exp``, deferred normalisation;
-  the scores come out of the same pass.
+  the scores come out of the same pass. Where Velox's native ops are built the
+  kernel hands the call to one fused native primitive
+  (``velox_cache.kernels.fused``, FlashAttention-style on both cores, within
+  ``native.ATTENTION_TOLERANCE`` of the MLX kernel).
 - On Metal and CUDA, or with ``VELOX_ATTENTION=exact``: the output is
   ``mx.fast.scaled_dot_product_attention`` itself (bit for bit what mlx-lm
   computes) and the scores come from a precise softmax over only the rows asked
