@@ -156,6 +156,20 @@ def test_scores_without_values_are_the_scores_with_them(case):
     assert kernel.blocked_attention(queries, keys, None, scale=0.3, mask=mask) == (None, None, None)
 
 
+def test_no_scores_matrix_is_ever_held():
+    """A 2,048 x 2,048 causal call (scores: 16 MiB of float32) allocates little beyond its inputs and output."""
+    queries, keys, values, _ = _inputs(1, 1, 1, 2048, 2048, 16, None)
+    mx.eval(queries, keys, values)
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    output, mass, entropy = kernel.blocked_attention(queries, keys, values, scale=0.25, mask="causal",
+                                                     score_rows=2048, entropy_rows=64)
+    mx.eval(output, mass, entropy)
+    assert mx.get_peak_memory() - before < 2048 * 2048 * 4 // 16  # under a sixteenth of the scores
+
+
 def test_more_score_rows_than_queries_count_every_query():
     queries, keys, values, _ = _inputs(1, 3, 3, 12, 40, 16, None)
     _, all_rows, entropy_all = kernel.blocked_attention(queries, keys, values, scale=0.25, mask="causal",
