@@ -69,7 +69,8 @@ def kernel_streams() -> int:
 
     Two streams run half of each block's elementwise work in parallel (MLX runs
     elementwise ops on one thread per stream); on a contended 2-core machine it
-    did not measure faster, so it is off unless asked for.
+    did not measure faster, so it is off unless asked for. The fused native
+    attention, where it runs, ignores it (it has threads of its own).
     """
     streams = os.environ.get(STREAMS_VARIABLE) or "1"
     if streams not in ("1", "2"):
