@@ -69,6 +69,8 @@ def config_overrides(items: list[str]) -> dict:
 
 
 def _number_or_text(text: str):
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
     for kind in (int, float):
         try:
             return kind(text)

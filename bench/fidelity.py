@@ -14,6 +14,15 @@ agreement (1.0 = identical behaviour) and log-likelihood gap (nats per token).
     python bench/fidelity.py --documents 8 --fractions 0.5 0.25 0.1 --timings default streaming
     python bench/fidelity.py --policies pyramidkv squeeze --heads uniform adaptive --fractions 0.5 0.25 0.1
     python bench/fidelity.py --documents 2 --policies pyramidkv --min-tokens 1000 --max-tokens 1500
+    python bench/fidelity.py --policies pyramidkv squeeze --timings prefill_end \
+        --choice default --choice look16:lookahead=16,kernel=7
+
+Each ``--choice`` (a ranking or allocation choice: ``lookahead``, ``kernel``,
+``mass_weight``, ``beta``, ``fit_budgets``, ...) runs every policy x budget; the
+last column is what each configuration cost beyond the reading (its cut or own
+prefill, and decode, summed); the prefill-end configurations of one choice share
+one reading per document (cut stacks equal their own prefill's), whose seconds
+(drafts and re-reading included) are printed per choice.
 """
 
 from __future__ import annotations
@@ -26,11 +35,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import config_overrides, load_default_model  # noqa: E402
-from pipeline.generation import Reference, generate  # noqa: E402
+from pipeline.generation import Reference, generate, generate_together, prefill_shared  # noqa: E402
 from pipeline.prompting import build_prompt  # noqa: E402
 from pipeline.source import Document  # noqa: E402
 from pipeline.spec import GenerationSpec, load_spec  # noqa: E402
 from velox_cache import KVCacheConfig  # noqa: E402
+from velox_cache.generation.reading import NotDerivable, reading_recipe  # noqa: E402
 from velox_cache.policies import POLICIES  # noqa: E402
 
 MAIN_JOB = Path(__file__).resolve().parent.parent / "jobs" / "summarize.yaml"
@@ -62,46 +72,89 @@ def main(argv=None):
     parser.add_argument("--heads", nargs="+", default=["default"], help="head budgets: default (the policy's), uniform, adaptive")
     parser.add_argument("--output-tokens", type=int, default=40)
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="extra KVCacheConfig fields")
+    parser.add_argument("--choice", action="append", default=[], metavar="NAME[:FIELD=VALUE,...]",
+                        help="a ranking or allocation choice to compare (repeatable; default: the policies' own)")
     args = parser.parse_args(argv)
     extra = config_overrides(args.set)
+    choices = [_choice(text) for text in args.choice] or [("default", {})]
 
     model, tokenizer = load_default_model()
     settings = GenerationSpec(max_tokens=args.output_tokens, temperature=0.0, seed=0, prefill_step_size=256)
     documents = corpus_prompts(tokenizer, count=args.documents, min_tokens=args.min_tokens, max_tokens=args.max_tokens)
     started = time.time()
     rows: dict = {}
+    seconds: dict = {}
+    reading_seconds = {choice: 0.0 for choice, _ in choices}
     for name, prompt in documents:
         full = generate(model, tokenizer, prompt, KVCacheConfig(method="full"), settings)
         reference = Reference(full.token_ids, full.logprobs)
-        for policy in args.policies:
-            for heads in args.heads:
-                for timing in args.timings:
-                    for fraction in args.fractions:
-                        budget = max(8, int(len(prompt.tokens) * fraction))
-                        fields = dict(method=policy, budget=budget, scoring="observed", **extra)
-                        if timing != "default":
-                            fields["eviction"] = timing
-                        if heads != "default":
-                            fields["head_budgets"] = heads
-                        config = KVCacheConfig(**fields)
-                        result = generate(model, tokenizer, prompt, config, settings, reference=reference)
-                        rows.setdefault((policy, heads, timing, fraction), []).append((name, result.fidelity))
+        for choice, choice_fields in choices:
+            keyed = {}
+            for policy in args.policies:
+                for heads in args.heads:
+                    for timing in args.timings:
+                        for fraction in args.fractions:
+                            budget = max(8, int(len(prompt.tokens) * fraction))
+                            fields = dict(method=policy, budget=budget, scoring="observed", **extra, **choice_fields)
+                            if timing != "default":
+                                fields["eviction"] = timing
+                            if heads != "default":
+                                fields["head_budgets"] = heads
+                            keyed[(choice, policy, heads, timing, fraction)] = KVCacheConfig(**fields)
+            # the prefill-end configs of one choice share one reading (cut stacks equal their own prefill's);
+            # the rest (streaming, continuous) prefill on their own
+            shared = {key: config for key, config in keyed.items() if _derivable(config)}
+            results = {}
+            if shared:
+                runs = prefill_shared(model, tokenizer, prompt, list(shared.values()), settings)
+                reading_seconds[choice] += runs[0].reading_seconds
+                for run in runs:
+                    run.prefill_seconds -= run.reading_seconds if run is runs[0] else 0.0
+                    run.refer_to(reference)
+                results.update(zip(shared, generate_together(model, tokenizer, runs)))
+            for key, config in keyed.items():
+                if key not in results:
+                    results[key] = generate(model, tokenizer, prompt, config, settings, reference=reference)
+            for key, result in results.items():
+                rows.setdefault(key, []).append((name, result.fidelity))
+                seconds[key] = seconds.get(key, 0.0) + result.prefill_seconds + result.decode_seconds
         print(f"# {name}: {len(prompt.tokens)} prompt tokens, {len(reference.token_ids)} reference tokens", flush=True)
 
     print(f"\nFidelity to the full cache: {len(documents)} documents of {args.min_tokens}-{args.max_tokens} prompt "
           f"tokens, {args.output_tokens} greedy tokens, SmolLM2-135M {' '.join(args.set)}\n")
-    print("| policy | heads | timing | budget | mean agreement | worst agreement (document) | mean NLL gap | worst NLL gap |")
-    print("|---|---|---|---|---|---|---|---|")
-    for (policy, heads, timing, fraction), values in rows.items():
+    print("| choice | policy | heads | timing | budget | mean agreement | worst agreement (document) | mean NLL gap "
+          "| worst NLL gap | prefill + decode s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for key, values in rows.items():
+        choice, policy, heads, timing, fraction = key
         agreements = [f.agreement for _, f in values]
         gaps = [f.nll_gap for _, f in values]
         worst = min(values, key=lambda v: v[1].agreement)
         print(
-            f"| {policy} | {heads} | {timing} | {fraction:.0%} | {sum(agreements) / len(agreements):.3f} | "
-            f"{worst[1].agreement:.3f} ({worst[0]}) | {sum(gaps) / len(gaps):.3f} | {max(gaps):.3f} |",
+            f"| {choice} | {policy} | {heads} | {timing} | {fraction:.0%} | {sum(agreements) / len(agreements):.3f} | "
+            f"{worst[1].agreement:.3f} ({worst[0]}) | {sum(gaps) / len(gaps):.3f} | {max(gaps):.3f} | "
+            f"{seconds[key]:.1f} |",
             flush=True,
         )
+    print("\n| choice | shared reading s (every prefill-end config of the choice, drafts and re-reading included) |")
+    print("|---|---|")
+    for choice, total in reading_seconds.items():
+        print(f"| {choice} | {total:.1f} |")
     print(f"\n(took {time.time() - started:.0f} s)")
+
+
+def _derivable(config: KVCacheConfig) -> bool:
+    try:
+        reading_recipe(config)
+    except NotDerivable:
+        return False
+    return True
+
+
+def _choice(text: str) -> tuple[str, dict]:
+    """``NAME:FIELD=VALUE,...`` -> (name, KVCacheConfig fields)."""
+    name, _, fields = text.partition(":")
+    return name, config_overrides([f for f in fields.split(",") if f])
 
 
 if __name__ == "__main__":

@@ -116,7 +116,8 @@ def main(argv=None):
         for policy, fraction, scoring, config in configurations(
             len(prompt), args.policies, args.scorings, args.fractions, extras
         ):
-            caches = KVCacheBuilder.for_model(model, config)
+            # as a job builds them: budgets fitted to the prompt and the tokens to generate (fit_budgets)
+            caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(prompt), new_tokens=24)
             answer = tokenizer.decode(greedy(model, prompt, caches, scoring, max_tokens=24))
             results.setdefault((policy, fraction, scoring), []).append(case.code in answer)
     full_accuracy = sum(results[("full", None, None)]) / len(cases)

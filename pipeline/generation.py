@@ -163,7 +163,7 @@ def prefill_variant(
             chunk_size=settings.prefill_step_size,
             max_new_tokens=settings.max_tokens,
             stop_tokens=frozenset(tokenizer.eos_token_ids),
-            repeat=repeat_request(tokenizer),
+            repeat=_repeat_for(tokenizer, [config]),
         )
         first_logprobs = sampler.logprobs(logits)
         prefill_seconds = time.perf_counter() - start
@@ -204,7 +204,7 @@ def read_shared(
         reading = SharedReading.prefill(
             model, configs, prefix=prompt.prefix, document=prompt.document,
             instruction=prompt.instruction, chunk_size=settings.prefill_step_size, max_new_tokens=settings.max_tokens,
-            stop_tokens=frozenset(tokenizer.eos_token_ids), repeat=repeat_request(tokenizer), draft=draft,
+            stop_tokens=frozenset(tokenizer.eos_token_ids), repeat=_repeat_for(tokenizer, configs), draft=draft,
         )
         mx.eval(reading.logits)
         seconds = time.perf_counter() - start
@@ -300,6 +300,11 @@ def frontier_rows(model, run: PrefilledVariant, points: list, reference: Referen
             "seconds": cut + fidelity.seconds,
         })
     return rows
+
+
+def _repeat_for(tokenizer, configs) -> list[int]:
+    """The request to repeat the document, where a config ranks by reconstruction (KVzip); else none."""
+    return repeat_request(tokenizer) if any(c.selection == "reconstruction" for c in configs) else []
 
 
 class OwnPeak:

@@ -314,7 +314,7 @@ def batch_generate(
                 caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(tokens), new_tokens=max_tokens)
                 logits = prefill_phases(
                     model, caches, document=tokens, chunk_size=prefill_step_size, max_new_tokens=max_tokens,
-                    stop_tokens=eos, repeat=repeat_request(tokenizer),
+                    stop_tokens=eos, repeat=repeat_request(tokenizer) if config.selection == "reconstruction" else (),
                 )
                 sampler = TokenSampler(tokens, seed=seed, **sampling)
                 group.append(DecodeRow(caches, sampler, sampler.logprobs(logits), max_tokens, eos))
