@@ -142,10 +142,8 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
             return "the cache's last call is still waiting for its attention"
         if not self._evicting_now():
             return "a cache that does not evict while decoding cannot batch"
-        if slots.heads_pooled:
-            return "a cache with per-head budgets (head_budgets='adaptive') decodes alone"
-        if slots.stored > self.layer_budget:
-            return f"holds {slots.stored} tokens over its budget of {self.layer_budget}"
+        if slots.kept_per_head > self.layer_budget:
+            return f"holds {slots.kept_per_head} tokens per head over its budget of {self.layer_budget}"
         return None
 
     @property

@@ -224,6 +224,11 @@ class HeadPooledSlots(TokenSlots):
             self.heads = mx.concatenate([self.heads[:start], new_heads, mx.zeros((spare,), mx.int32)])
         self._heads_changed += 1
 
+    def set_heads(self, heads: mx.array) -> None:
+        """Each slot's KV head is now ``heads`` ``[capacity]`` (a batch wrote the buffers back; masks are rebuilt)."""
+        self.heads = heads
+        self._heads_changed += 1
+
     def keep(self, indices: mx.array) -> None:
         super().keep(indices)
         self.heads = self.heads[indices[0, 0]]

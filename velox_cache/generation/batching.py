@@ -4,11 +4,21 @@ Each row is one sequence's cache for this layer (a Velox evicting cache that
 has finished prefill, or a full cache: Velox's ``FullKVCache`` or mlx-lm's
 ``KVCache``), with its own counts (``stored``, ``offset``, tokens seen) and
 its own budget. The held tokens sit right-padded in one buffer
-``[B, H, T, D]``; a validity mask keeps padded slots out of attention, out of
-the scores and out of the eviction ranking.
+``[B, H, T, D]``, each (row, head) with its own count; a validity mask keeps
+padded slots out of attention, out of the scores and out of the eviction
+ranking.
+
+A row with per-head budgets (``HeadPooledSlots``: one flattened head x token
+buffer, each KV head its own count) is unflattened onto the head axis, each
+head's slots in their order; ``flat`` ``[B, H, T]`` remembers the slot each
+token has (or will have, once appended) in the row's own flattened buffer, so
+that ``extract`` writes it back in the order decoding alone leaves. At its
+budget (``heads x budget`` slots) such a row puts each head's token into that
+head's own lowest-ranked slot, and a head whose every slot is protected gives
+up its oldest non-sink token (``HeadPooledSlots.replace_lowest``).
 
 A decode step is one vectorised write per layer: each row at its budget puts
-its new token into its own lowest-ranked slot (sinks and the recent window
+each head's new token into that head's lowest-ranked slot (sinks and the recent window
 protected, as ``TokenSlots.replace_lowest``), each row below it (and every
 full row) into its next free slot. Attention runs on the layer's own mask, so
 the model's attention must be routed (``velox_cache.observe`` or
@@ -65,6 +75,7 @@ class _Row:
     signal: type = Recency
     observed: bool = False
     scale: Optional[float] = None
+    pooled: bool = False  # per-head budgets: ``stored`` and ``capacity`` count the flattened slots
 
     @classmethod
     def of(cls, cache, layer: int) -> "_Row":
@@ -98,6 +109,7 @@ class _Row:
             signal=slots.signal,
             observed=cache.scoring == "observed",
             scale=cache.attention_scale,
+            pooled=slots.heads_pooled,
         )
 
     @property
@@ -112,38 +124,55 @@ class RowCounts:
     ``stored`` (valid slots), ``offset`` (the next token's position), ``seen``
     (tokens passed in) and ``capacity`` (the buffer length decoding the row alone
     would have now: ``TokenSlots``' growth rule, or mlx-lm's ``KVCache``'s for a
-    full row), with each row's ``budget`` and whether it ``evicting``.
+    full row), with each row's ``budget`` and whether it ``evicting``. Slots are
+    the row's own: a row with per-head budgets counts its flattened slots
+    (``per_step``, one per head, each step; ``budget`` is heads x budget).
+    ``head_stored`` ``[B, H]``: the valid slots of each (row, head) in the batch's buffer.
     """
 
-    FIELDS = ("stored", "offset", "seen", "capacity")
+    FIELDS = ("stored", "offset", "seen", "capacity", "head_stored")
 
-    def __init__(self, rows: list[_Row]):
+    def __init__(self, rows: list[_Row], head_stored: np.ndarray):
+        heads = head_stored.shape[1]
         self.stored = np.array([row.stored for row in rows], np.int64)
         self.offset = np.array([row.offset for row in rows], np.int64)
         self.seen = np.array([row.seen for row in rows], np.int64)
         self.capacity = np.array([row.capacity for row in rows], np.int64)
+        self.head_stored = head_stored.astype(np.int64)
         self.evicting = np.array([row.evicting for row in rows], bool)
-        self.budget = np.array([row.budget if row.evicting else np.iinfo(np.int64).max for row in rows], np.int64)
+        self.per_step = np.array([heads if row.pooled else 1 for row in rows], np.int64)
+        self.budget = np.array(
+            [row.budget * (heads if row.pooled else 1) if row.evicting else np.iinfo(np.int64).max for row in rows],
+            np.int64,
+        )
 
     def at_budget(self) -> np.ndarray:
         """``[B]`` bool: rows whose next token replaces a held one."""
         return self.evicting & (self.stored == self.budget)
 
     def advance(self, at_budget: np.ndarray) -> None:
-        """One token per row, put in place of a held one (rows ``at_budget``) or appended."""
+        """One token per row (and head), put in place of a held one (rows ``at_budget``) or appended."""
         self.offset += 1
         self.seen += 1
-        end = self.stored + 1
+        end = self.stored + self.per_step
         grown = np.where(self.evicting, decode_capacity(end, self.budget), self.stored + FULL_STEP)
         self.capacity = np.where(at_budget, self.stored, np.where(end > self.capacity, grown, self.capacity))
         self.stored = np.where(at_budget, self.stored, end)
+        self.head_stored = self.head_stored + ~at_budget[:, None]
+
+    def room(self) -> np.ndarray:
+        """``[B]``: the buffer width each row would like, to append without growing again soon."""
+        steps_left = np.where(
+            self.evicting, np.clip((self.budget - self.stored) // self.per_step, 0, GROWTH_STEP), GROWTH_STEP
+        )
+        return self.head_stored.max(axis=1) + steps_left
 
     def row(self, index: int) -> tuple:
         """``(stored, offset, seen, capacity)`` of row ``index`` as ints."""
-        return tuple(int(getattr(self, name)[index]) for name in self.FIELDS)
+        return tuple(int(getattr(self, name)[index]) for name in self.FIELDS[:4])
 
     def keep(self, indices: list[int]) -> None:
-        for name in (*self.FIELDS, "evicting", "budget"):
+        for name in (*self.FIELDS, "evicting", "budget", "per_step"):
             setattr(self, name, getattr(self, name)[indices])
 
     def copy(self) -> tuple:
@@ -155,14 +184,16 @@ class RowCounts:
 
 
 class HeldRows(NamedTuple):
-    """What B caches of one layer hold, right-padded to the longest row: where a batched layer starts."""
+    """What B caches of one layer hold, each head right-padded to the longest: where a batched layer starts."""
 
     rows: list  # [_Row]: each row's counts and settings
-    width: int  # the longest row's held tokens
+    width: int  # the most tokens any (row, head) holds
     keys: mx.array  # [B, H, width, D]
     values: mx.array  # [B, H, width, Dv]
     scores: mx.array  # [B, H, width] float32 (zeros for a full cache)
     positions: mx.array  # [B, H, width] int32
+    head_stored: np.ndarray  # [B, H]: the valid slots of each (row, head)
+    flat: Optional[mx.array]  # [B, H, width] int32: each slot's index in a pooled row's own buffer (None: no such row)
 
     @classmethod
     def of(cls, caches: list, layer: int) -> "HeldRows":
@@ -171,24 +202,51 @@ class HeldRows(NamedTuple):
             raise BatchUnsupported("a batch needs at least one row")
         rows = [_Row.of(cache, layer) for cache in caches]
         held = [_held(row) for row in rows]
-        shapes = {(k.shape[1], k.shape[3], v.shape[3], k.dtype, v.dtype) for k, v, _, _ in held}
+        shapes = {(k.shape[1], k.shape[3], v.shape[3], k.dtype, v.dtype) for k, v, *_ in held}
         if len(shapes) > 1:
             raise BatchUnsupported(f"layer {layer}: rows differ in heads, head dims or dtypes: {sorted(map(str, shapes))}")
-        width = max(row.stored for row in rows)
-        padded = [mx.concatenate([_pad(part, width, axis=2) for part in parts]) for parts in zip(*held)]
-        return cls(rows, width, *padded)
+        head_stored = np.array([counts for *_, counts, _ in held], np.int64)  # [B, H]
+        width = int(head_stored.max())
+        padded = [mx.concatenate([_pad(part, width, axis=2) for part in parts]) for parts in zip(*(h[:4] for h in held))]
+        flat = None
+        if any(row.pooled for row in rows):
+            flat = mx.concatenate([_pad(h[5], width, axis=2) for h in held])
+        return cls(rows, width, *padded, head_stored, flat)
 
 
 def _held(row: _Row):
-    """``(keys, values, scores, positions)`` one row holds now."""
+    """``(keys, values, scores, positions, head counts [H], flat slots [1, H, T])`` one row holds now, head by head."""
     if row.evicting:
         slots = row.cache.slots
         keys, values = slots.held()
-        return keys, values, slots.held_scores(), slots.held_positions()
+        scores, positions = slots.held_scores(), slots.held_positions()
+        if row.pooled:
+            return _unflattened(slots, keys, values, scores, positions)
+        heads = keys.shape[1]
+        flat = mx.zeros((1, heads, row.stored), mx.int32)
+        return keys, values, scores, positions, [row.stored] * heads, flat
     keys, values = row.cache.keys[..., : row.stored, :], row.cache.values[..., : row.stored, :]
     batch, heads = keys.shape[:2]
     positions = mx.broadcast_to(mx.arange(row.stored, dtype=mx.int32), (batch, heads, row.stored))
-    return keys, values, mx.zeros((batch, heads, row.stored), mx.float32), positions
+    flat = mx.zeros((1, heads, row.stored), mx.int32)
+    return keys, values, mx.zeros((batch, heads, row.stored), mx.float32), positions, [row.stored] * heads, flat
+
+
+def _unflattened(slots, keys, values, scores, positions):
+    """A pooled row's held tokens on the head axis, each head's slots in their order, padded to the longest head."""
+    heads, n_heads, stored = slots.held_heads(), slots.n_heads, slots.stored
+    owned = slots.membership(stored)  # [H, T]
+    counts = owned.sum(axis=-1)
+    rank = mx.take_along_axis(mx.cumsum(owned.astype(mx.int32), axis=-1), heads[None, :], axis=0)[0] - 1  # [T]
+    width = int(counts.max().item())
+
+    def spread(flat_part: mx.array) -> mx.array:  # [T, ...] -> [1, H, width, ...]
+        out = mx.zeros((n_heads, width, *flat_part.shape[1:]), flat_part.dtype)
+        out[heads, rank] = flat_part
+        return out[None]
+
+    parts = [spread(keys[0, 0]), spread(values[0, 0]), spread(scores[0, 0]), spread(positions[0, 0])]
+    return (*parts, counts.tolist(), spread(mx.arange(stored, dtype=mx.int32)))
 
 
 class BatchedLayer(_BaseCache):
@@ -198,8 +256,9 @@ class BatchedLayer(_BaseCache):
         self.layer = layer
         held = HeldRows.of(caches, layer)
         self.rows = held.rows
-        self.counts = RowCounts(self.rows)
+        self.counts = RowCounts(self.rows, held.head_stored)
         self.keys, self.values, self.scores, self.positions = held.keys, held.values, held.scores, held.positions
+        self._flat = held.flat
         self._offset = mx.array(self.counts.offset, mx.int32)
         self._settings()
         self._valid = None
@@ -210,6 +269,7 @@ class BatchedLayer(_BaseCache):
         rows = self.rows
         self._n_sink = _column([row.n_sink for row in rows], mx.int32)
         self._recent = _column([row.recent for row in rows], mx.int32)
+        self._pooled = _column([row.pooled for row in rows], mx.bool_) if any(row.pooled for row in rows) else None
         self._ranked = _groups(rows, lambda row: row.signal if row.evicting else None)
         self._folded = {
             observed: _groups(rows, lambda row: row.signal if row.scores_decode and row.observed == observed else None)
@@ -240,12 +300,16 @@ class BatchedLayer(_BaseCache):
         counts = self.counts
         at_budget = counts.at_budget()
         self._grow_if_full(at_budget)
-        stored = _column(counts.stored, mx.int32)  # before this token: the next free slot
+        stored = self._head_stored()  # before this token: each (row, head)'s next free slot, [B, H or 1, 1]
         position = self._offset[:, None, None]  # this token's
         slot = mx.broadcast_to(stored, (*self.scores.shape[:2], 1))
         if at_budget.any():
-            victim = mx.argmin(self._protected_ranking(stored, position), axis=-1, keepdims=True)
+            victim = self._victims(stored, position)
             slot = mx.where(_column(at_budget, mx.bool_), victim, slot) if not at_budget.all() else victim
+        if self._flat is not None:  # a pooled row's appended token takes the next flat slot, head after head
+            appended = _column(counts.stored, mx.int32) + mx.arange(self.scores.shape[1], dtype=mx.int32)[None, :, None]
+            kept = mx.take_along_axis(self._flat, slot, axis=-1)
+            self._flat = mx.put_along_axis(self._flat, slot, mx.where(_column(at_budget, mx.bool_), kept, appended), axis=-1)
         index = slot[..., None]
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(index, keys.shape), keys, axis=2)
         self.values = mx.put_along_axis(self.values, mx.broadcast_to(index, values.shape), values, axis=2)
@@ -253,7 +317,7 @@ class BatchedLayer(_BaseCache):
         self.positions = mx.put_along_axis(self.positions, slot, mx.broadcast_to(position, slot.shape), axis=-1)
         counts.advance(at_budget)
         self._offset = self._offset + 1
-        self._valid = _slot_numbers(self.keys.shape[2]) < _column(counts.stored, mx.int32)  # [B, 1, T]
+        self._valid = _slot_numbers(self.keys.shape[2]) < self._head_stored()  # [B, H or 1, T]
         if self._folded[False]:
             rows = self.rows
             scale = next((row.scale for row in rows if row.scale is not None), keys.shape[-1] ** -0.5)
@@ -268,9 +332,10 @@ class BatchedLayer(_BaseCache):
             raise BatchUnsupported(f"layer {self.layer}: attention over keys other than the held ones cannot batch")
         self._attended = True
         score = bool(self._folded[True])
-        result = attend_and_score(
-            queries, keys, values, scale=scale, mask=self._valid[:, :, None], sinks=sinks, score_rows=int(score)
-        )
+        valid = self._valid
+        if valid.shape[1] > 1 and queries.shape[1] != valid.shape[1]:  # each query head sees its KV head's slots
+            valid = mx.repeat(valid, queries.shape[1] // valid.shape[1], axis=1)
+        result = attend_and_score(queries, keys, values, scale=scale, mask=valid[:, :, None], sinks=sinks, score_rows=int(score))
         if score:
             self._fold(result.key_mass, observed=True)
         return result.output
@@ -296,7 +361,7 @@ class BatchedLayer(_BaseCache):
         return False
 
     def size(self) -> int:
-        return int(self.counts.stored.max())
+        return int(self.counts.head_stored.max())
 
     @property
     def attended(self) -> bool:
@@ -317,21 +382,44 @@ class BatchedLayer(_BaseCache):
             cache.offset = offset
             return
         slots = row.cache.slots
+        if row.pooled:
+            self._extract_pooled(index, slots)
+            slots.stored, slots.offset, slots.tokens_seen = stored, offset, seen
+            return
         slots.keys, slots.values = _pad(keys, capacity, axis=2), _pad(values, capacity, axis=2)
         slots.scores = _pad(self.scores[keep, :, :stored], capacity, axis=2)
         slots.positions = _pad(self.positions[keep, :, :stored], capacity, axis=2)
         slots.stored, slots.offset, slots.tokens_seen = stored, offset, seen
 
+    def _extract_pooled(self, index: int, slots) -> None:
+        """Row ``index``'s heads back into its flattened buffer, each token in the slot decoding alone gave it."""
+        stored, capacity = int(self.counts.stored[index]), int(self.counts.capacity[index])
+        n_heads, width = self.keys.shape[1], self.keys.shape[2]
+        valid = _slot_numbers(width)[0] < mx.array(self.counts.head_stored[index], mx.int32)[:, None]  # [H, W]
+        target = mx.where(valid, self._flat[index], stored).reshape(-1)  # padding goes to one spare slot, dropped
+
+        def flattened(part: mx.array) -> mx.array:  # [H, W, ...] -> [1, 1, capacity, ...]
+            out = mx.zeros((stored + 1, *part.shape[2:]), part.dtype)
+            out[target] = part.reshape(n_heads * width, *part.shape[2:])
+            return _pad(out[:stored][None, None], capacity, axis=2)
+
+        slots.keys, slots.values = flattened(self.keys[index]), flattened(self.values[index])
+        slots.scores, slots.positions = flattened(self.scores[index]), flattened(self.positions[index])
+        heads = mx.broadcast_to(mx.arange(n_heads, dtype=mx.int32)[:, None], (n_heads, width))
+        slots.set_heads(flattened(heads)[0, 0])
+
     def filter(self, indices: list[int]) -> None:
         """Only rows ``indices`` stay in the batch (finished rows leave; ``extract`` them first)."""
         self.rows = [self.rows[i] for i in indices]
         self.counts.keep(indices)
-        width = int(self.counts.stored.max())
+        width = int(self.counts.head_stored.max())
         take = mx.array(indices, mx.int32)
         self.keys, self.values = self.keys[take, :, :width], self.values[take, :, :width]
         self.scores, self.positions = self.scores[take, :, :width], self.positions[take, :, :width]
         self._offset = self._offset[take]
         self._settings()
+        if self._flat is not None:
+            self._flat = self._flat[take, :, :width] if self._pooled is not None else None
 
     def checkpoint(self) -> tuple:
         """What ``restore`` needs to undo the calls made after it: the arrays' handles and the rows' counts.
@@ -339,13 +427,13 @@ class BatchedLayer(_BaseCache):
         Nothing of the buffers is copied: the layer only ever rebinds its arrays
         (no in-place writes), so the old handles still hold the old state.
         """
-        arrays = (self.keys, self.values, self.scores, self.positions, self._offset, self._valid, self._attended)
+        arrays = (self.keys, self.values, self.scores, self.positions, self._flat, self._offset, self._valid, self._attended)
         return arrays, self.counts.copy()
 
     def restore(self, checkpoint: tuple) -> None:
         """The layer as it was when ``checkpoint()`` returned ``checkpoint`` (same rows)."""
         arrays, counts = checkpoint
-        self.keys, self.values, self.scores, self.positions, self._offset, self._valid, self._attended = arrays
+        self.keys, self.values, self.scores, self.positions, self._flat, self._offset, self._valid, self._attended = arrays
         self.counts.restore(counts)
 
     # ----- mechanics: the slots' rules (``velox_cache.cache.slots``) on B rows at once -----------
@@ -355,12 +443,36 @@ class BatchedLayer(_BaseCache):
         width = self.keys.shape[2]
         counts = self.counts
         appending = ~at_budget
-        if not (appending & (counts.stored >= width)).any():
+        if not (appending & (counts.head_stored.max(axis=1) >= width)).any():
             return
-        room = np.where(counts.evicting, decode_capacity(counts.stored, counts.budget), counts.stored + GROWTH_STEP)
-        needed = int(room[appending].max())
+        needed = int(counts.room()[appending].max())
         self.keys, self.values = _pad(self.keys, needed, axis=2), _pad(self.values, needed, axis=2)
         self.scores, self.positions = _pad(self.scores, needed, axis=2), _pad(self.positions, needed, axis=2)
+        if self._flat is not None:
+            self._flat = _pad(self._flat, needed, axis=2)
+
+    def _head_stored(self) -> mx.array:
+        """Valid slots per row ``[B, 1, 1]``, or per (row, head) ``[B, H, 1]`` when a row has per-head budgets."""
+        if self._pooled is None:
+            return _column(self.counts.head_stored[:, 0], mx.int32)
+        return mx.array(self.counts.head_stored[:, :, None], mx.int32)
+
+    def _victims(self, stored: mx.array, position: mx.array) -> mx.array:
+        """``[B, H, 1]``: the slot each head of each row at budget gives up (its lowest-ranked one).
+
+        A pooled row's head whose every slot is protected gives up its oldest
+        non-sink token, or its newest sink (``HeadPooledSlots.replace_lowest``).
+        """
+        ranking = self._protected_ranking(stored, position)
+        victim = mx.argmin(ranking, axis=-1, keepdims=True)
+        if self._pooled is None:
+            return victim
+        held = self.positions.astype(mx.float32)
+        sink = self.positions < self._n_sink
+        oldest = mx.where(sink, -held + 2.0 * (position.astype(mx.float32) + 1), held)
+        oldest = mx.where(_slot_numbers(held.shape[-1]) >= stored, mx.inf, oldest)
+        all_protected = mx.min(ranking, axis=-1, keepdims=True) == mx.inf
+        return mx.where(self._pooled & all_protected, mx.argmin(oldest, axis=-1, keepdims=True), victim)
 
     def _protected_ranking(self, stored: mx.array, position: mx.array) -> mx.array:
         """``TokenSlots.protected_ranking`` for every row at once (``stored``, ``position``: ``[B, 1, 1]``).

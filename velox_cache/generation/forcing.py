@@ -5,9 +5,11 @@ model's prediction at every position (``pipeline.generation.teacher_force``).
 One stack at a time that is one model call per stack; here B stacks (any mix
 of policies, budgets and prompt lengths, as in ``velox_cache.generation.batching``) take
 one call together. Per layer, each row's held keys sit right-padded to the
-longest row's count ``W``, its new tokens after them at ``W .. W + n``, and the
+longest count ``W``, its new tokens after them at ``W .. W + n``, and the
 layer's own mask lets query ``i`` of row ``r`` see the ``stored[r]`` held
-tokens and new tokens ``0 .. i``: what the row's own cache would show it. No
+tokens and new tokens ``0 .. i``: what the row's own cache would show it. A
+row with per-head budgets (``HeadPooledSlots``) holds each head's tokens on
+the head axis (as ``BatchedLayer`` does), each query head seeing its KV head's. No
 token is evicted during the call (as when one stack is fed alone: a
 multi-token call is attended whole before any eviction).
 
@@ -37,7 +39,8 @@ class ForcedLayer(_BaseCache):
         self.layer = layer
         held = HeldRows.of(caches, layer)
         rows, self.width, self.keys, self.values = held.rows, held.width, held.keys, held.values
-        self._stored = mx.array([row.stored for row in rows], mx.int32)
+        per_head = held.head_stored if (held.head_stored != held.head_stored[:, :1]).any() else held.head_stored[:, :1]
+        self._stored = mx.array(per_head, mx.int32)  # [B, H] each (row, head)'s held tokens, or [B, 1] when heads agree
         self._offset = mx.array([row.offset for row in rows], mx.int32)
         self.attended = False
 
@@ -65,7 +68,10 @@ class ForcedLayer(_BaseCache):
         n_new = queries.shape[2]
         slot = mx.arange(self.width + n_new, dtype=mx.int32)[None, None, None]  # [1, 1, 1, T]
         query = mx.arange(n_new, dtype=mx.int32)[None, None, :, None]  # [1, 1, n, 1]
-        held = slot < self._stored[:, None, None, None]  # [B, 1, 1, T]
+        stored = self._stored
+        if stored.shape[1] not in (1, queries.shape[1]):  # each query head sees its KV head's held tokens
+            stored = mx.repeat(stored, queries.shape[1] // stored.shape[1], axis=1)
+        held = slot < stored[:, :, None, None]  # [B, H*R or 1, 1, T]
         new = (slot >= self.width) & (slot - self.width <= query)  # [1, 1, n, T]
         return attend_and_score(queries, keys, values, scale=scale, mask=held | new, sinks=sinks).output
 

@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 
 import velox_cache
-from velox_cache import KVCacheBuilder, KVCacheConfig, phases, prefill_phases, snapshot
+from velox_cache import KVCacheBuilder, KVCacheConfig, prefill_phases, snapshot
 from velox_cache.cache.head_slots import HeadPooledSlots, adaptive_keep
 from velox_cache.cache.signals import CumulativeMass
 from velox_cache.cache.slots import TokenSlots
@@ -208,7 +208,8 @@ def test_pooled_heads_need_observed_routed_attention(tiny_model):
         model(mx.array([[5]]), cache=caches)  # outside observe: mlx-lm's attention would read one head
 
 
-def test_rows_with_pooled_heads_decode_alone_beside_a_batch_and_give_the_same_tokens(tiny_model):
+def test_rows_with_pooled_heads_decode_in_a_batch_and_give_the_same_tokens(tiny_model):
+    """Pooled rows batch beside uniform ones (tests/velox_cache/generation/test_batching_head_budgets.py pins the rest)."""
     from tests.velox_cache.generation.test_batching import _decode
 
     model, _ = tiny_model
@@ -220,7 +221,8 @@ def test_rows_with_pooled_heads_decode_alone_beside_a_batch_and_give_the_same_to
     alone = _decode(model, configs, batch=False)
     together = _decode(model, configs, batch=True)
     assert [row.tokens for row in together] == [row.tokens for row in alone]
-    assert "per-head" in together[0].caches[0].batch_refusal()
+    assert max(row.batch_size for row in together) == len(configs)
+    assert together[0].caches[0].slots.heads_pooled and together[0].caches[0].batch_refusal() is None
 
 
 def _pooled_at_budget(positions_by_head, offset, n_sink, recent):
