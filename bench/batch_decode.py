@@ -2,7 +2,7 @@
 
 ``throughput``: one prompt of real prose is prefilled once per row kind (full
 cache at 1k and 4k tokens; pyramidkv at budgets 128 and 512 on a 2k prompt,
-observed scoring), then B copies of that stack decode ``--steps`` greedy
+observed scoring, uniform or per-head budgets), then B copies of that stack decode ``--steps`` greedy
 tokens together (``velox_cache.generation.decode.decode_rows``; B = 1 is the
 one-at-a-time loop). Prints tokens/s and the speed-up over B = 1 of the same
 kind. Rows read one copy of the prefilled stack, so every B decodes the same
@@ -41,6 +41,8 @@ KINDS = {  # name: (prompt tokens, config)
     "full-4k": (4096, KVCacheConfig(method="full")),
     "pyramidkv-128": (2048, KVCacheConfig(method="pyramidkv", budget=128, scoring="observed")),
     "pyramidkv-512": (2048, KVCacheConfig(method="pyramidkv", budget=512, scoring="observed")),
+    "pyramidkv-128-adaptive": (2048, KVCacheConfig(method="pyramidkv", budget=128, scoring="observed", head_budgets="adaptive")),
+    "pyramidkv-512-adaptive": (2048, KVCacheConfig(method="pyramidkv", budget=512, scoring="observed", head_budgets="adaptive")),
 }
 
 
