@@ -76,12 +76,14 @@ def variants(budget: int, names: list[str], overrides: dict = None) -> dict:
     return {name: table[name] for name in names}
 
 
-def build_caches(model, config, scoring):
+def build_caches(model, config, scoring, prompt_tokens=None, new_tokens=None):
+    """The variant's caches; with ``prompt_tokens`` (and ``new_tokens``) budgets fitted as a job fits them."""
     if config is None:
         return [KVCache() for _ in model.layers]
     if config.method == "full":
         return KVCacheBuilder.for_model(model, config)
-    return KVCacheBuilder.for_model(model, dataclasses.replace(config, scoring=scoring))
+    return KVCacheBuilder.for_model(model, dataclasses.replace(config, scoring=scoring),
+                                    prompt_tokens=prompt_tokens, new_tokens=new_tokens)
 
 
 def context_for(config, scoring: str) -> str:
@@ -189,7 +191,8 @@ def needle(args):
             for name, config in chosen.items():
                 if not is_streaming(config) and not fits(model, prompt, args.max_tokens):
                     continue
-                _, _, _, tokens = run_once(model, prompt, build_caches(model, config, args.scoring),
+                caches = build_caches(model, config, args.scoring, len(prompt.tokens), args.max_tokens)
+                _, _, _, tokens = run_once(model, prompt, caches,
                                            scoring=context_for(config, args.scoring), chunk=args.chunk,
                                            decode_steps=args.max_tokens)
                 found = case.code in tokenizer.decode(tokens)
