@@ -52,6 +52,8 @@ def corpus_prompts(tokenizer, *, count: int, min_tokens: int, max_tokens: int):
 
     spec = load_spec(MAIN_JOB)
     found = []
+    if count == 0:
+        return found
     for name in sorted(topics):
         prompt = build_prompt(spec, tokenizer, Document(name, {"text": topics[name]}, "-"))
         if min_tokens <= len(prompt.tokens) <= max_tokens:
@@ -74,6 +76,10 @@ def main(argv=None):
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="extra KVCacheConfig fields")
     parser.add_argument("--choice", action="append", default=[], metavar="NAME[:FIELD=VALUE,...]",
                         help="a ranking or allocation choice to compare (repeatable; default: the policies' own)")
+    parser.add_argument("--needles", type=int, default=0, metavar="CASES",
+                        help="also each choice's needle accuracy: CASES needles in ~1k tokens, every policy x budget")
+    parser.add_argument("--stream-needles", type=int, default=0, metavar="CASES",
+                        help="also CASES needles in ~4k tokens, streamed at a budget of 512 (as bench/streaming.py needle)")
     args = parser.parse_args(argv)
     extra = config_overrides(args.set)
     choices = [_choice(text) for text in args.choice] or [("default", {})]
@@ -136,11 +142,46 @@ def main(argv=None):
             f"{seconds[key]:.1f} |",
             flush=True,
         )
+    if args.needles or args.stream_needles:
+        needles(model, tokenizer, args, choices, extra)
     print("\n| choice | shared reading s (every prefill-end config of the choice, drafts and re-reading included) |")
     print("|---|---|")
     for choice, total in reading_seconds.items():
         print(f"| {choice} | {total:.1f} |")
     print(f"\n(took {time.time() - started:.0f} s)")
+
+
+def needles(model, tokenizer, args, choices, extra) -> None:
+    """Each choice's needle accuracy, in the same run: ~1k-token haystacks at every policy x budget
+    (the choice's timing), and ~4k-token ones streamed at a budget of 512 (``bench/streaming.py needle``)."""
+    from bench.needle import make_needle_case
+    from bench.streaming import split_prompt
+
+    settings = GenerationSpec(max_tokens=24, temperature=0.0, seed=0, prefill_step_size=256)
+    runs = [(1000, args.needles, None), (4096, args.stream_needles, "streaming")]
+    hits: dict = {}
+    for length, count, eviction in runs:
+        for i in range(count):
+            depth = 0.1 + 0.8 * i / max(1, count - 1)
+            case = make_needle_case(tokenizer, seed=i, n_tokens=max(64, length - 64), depth=depth)
+            prompt = split_prompt(tokenizer, case.document, case.question)
+            full = generate(model, tokenizer, prompt, KVCacheConfig(method="full"), settings)
+            hits.setdefault((length, "full", "-", None), []).append(case.code in full.output)
+            for choice, choice_fields in choices:
+                for policy in args.policies:
+                    for fraction in (args.fractions if eviction is None else [None]):
+                        budget = 512 if fraction is None else max(8, int(len(prompt.tokens) * fraction))
+                        fields = dict(method=policy, budget=budget, scoring="observed", **extra, **choice_fields)
+                        if eviction is not None:
+                            fields.update(eviction=eviction, selection="window")
+                        config = KVCacheConfig(**fields)
+                        result = generate(model, tokenizer, prompt, config, settings)
+                        hits.setdefault((length, choice, policy, fraction), []).append(case.code in result.output)
+    print("\n| haystack | choice | policy | budget | needles found |")
+    print("|---|---|---|---|---|")
+    for (length, choice, policy, fraction), found in hits.items():
+        budget = "100%" if choice == "full" else ("512, streaming" if fraction is None else f"{fraction:.0%}")
+        print(f"| ~{length} tokens | {choice} | {policy} | {budget} | {sum(found)} / {len(found)} |", flush=True)
 
 
 def _derivable(config: KVCacheConfig) -> bool:
