@@ -35,12 +35,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import config_overrides, load_default_model  # noqa: E402
-from pipeline.generation import Reference, generate, generate_together, prefill_shared  # noqa: E402
+from pipeline.generation import (  # noqa: E402
+    Reference,
+    cut_shared,
+    generate,
+    generate_together,
+    read_shared,
+)
 from pipeline.prompting import build_prompt  # noqa: E402
 from pipeline.source import Document  # noqa: E402
 from pipeline.spec import GenerationSpec, load_spec  # noqa: E402
 from velox_cache import KVCacheConfig  # noqa: E402
-from velox_cache.generation.reading import NotDerivable, reading_recipe  # noqa: E402
+from velox_cache.generation.reading import derivable  # noqa: E402
 from velox_cache.policies import POLICIES  # noqa: E402
 
 MAIN_JOB = Path(__file__).resolve().parent.parent / "jobs" / "summarize.yaml"
@@ -109,13 +115,13 @@ def main(argv=None):
                             keyed[(choice, policy, heads, timing, fraction)] = KVCacheConfig(**fields)
             # the prefill-end configs of one choice share one reading (cut stacks equal their own prefill's);
             # the rest (streaming, continuous) prefill on their own
-            shared = {key: config for key, config in keyed.items() if _derivable(config)}
+            shared = {key: config for key, config in keyed.items() if derivable(config)}
             results = {}
             if shared:
-                runs = prefill_shared(model, tokenizer, prompt, list(shared.values()), settings)
-                reading_seconds[choice] += runs[0].reading_seconds
+                reading = read_shared(model, tokenizer, prompt, list(shared.values()), settings)
+                reading_seconds[choice] += reading.seconds
+                runs = [cut_shared(tokenizer, reading, config, settings) for config in shared.values()]
                 for run in runs:
-                    run.prefill_seconds -= run.reading_seconds if run is runs[0] else 0.0
                     run.refer_to(reference)
                 results.update(zip(shared, generate_together(model, tokenizer, runs)))
             for key, config in keyed.items():
@@ -182,14 +188,6 @@ def needles(model, tokenizer, args, choices, extra) -> None:
     for (length, choice, policy, fraction), found in hits.items():
         budget = "100%" if choice == "full" else ("512, streaming" if fraction is None else f"{fraction:.0%}")
         print(f"| ~{length} tokens | {choice} | {policy} | {budget} | {sum(found)} / {len(found)} |", flush=True)
-
-
-def _derivable(config: KVCacheConfig) -> bool:
-    try:
-        reading_recipe(config)
-    except NotDerivable:
-        return False
-    return True
 
 
 def _choice(text: str) -> tuple[str, dict]:

@@ -20,6 +20,7 @@ fields (``method`` included); with no variants, the job's own compressed ones.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -59,7 +60,7 @@ def main(argv=None):
     if args.variant:
         variants = [parse_variant(v) for v in args.variant]
     else:
-        variants = [(v.name, KVCacheConfig.from_dict({**_fields(v.cache), "eviction": "prefill_end"}))
+        variants = [(v.name, dataclasses.replace(v.cache, eviction="prefill_end"))
                     for v in spec.variants if v.cache.method != "full"]
     model, tokenizer = load_model(spec.model)
     context = context_length(model)
@@ -108,12 +109,6 @@ def main(argv=None):
         print(f"| {name} | {sum(r['rouge'] for r in got) / len(got):.3f} | {sum(r['identical'] for r in got)} | "
               f"{sum(agreement) / len(agreement):.3f} / {min(agreement):.3f} | {' | '.join(by_length)} | {seconds[name]:.1f} |")
     print(f"\nthe shared reading: {seconds['reading']:.1f} s")
-
-
-def _fields(config: KVCacheConfig) -> dict:
-    import dataclasses
-
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
-from velox_cache.generation.reading import NotDerivable, reading_recipe
+from velox_cache.generation.reading import NotDerivable, derivable
 
 from . import model_store
 from .generation import (
@@ -137,7 +137,7 @@ class SharedReadings:
 
         None unless two can, or the full variant can and the job measures a frontier.
         """
-        found = [variant for variant in item.variants if _derivable(variant.cache)]
+        found = [variant for variant in item.variants if derivable(variant.cache)]
         full = any(variant.cache.method == "full" for variant in found)
         return found if len(found) > 1 or (full and frontier_points(item)) else []
 
@@ -202,20 +202,12 @@ class _Reading:
     frontier: bool
 
 
-def _derivable(config) -> bool:
-    try:  # streaming variants (their prompt may differ) and continuous ones read on their own
-        reading_recipe(config)
-    except NotDerivable:
-        return False
-    return True
-
-
 def frontier_points(item: WorkItem) -> list:
     """``[(variant name, budget, config at that budget)]``: the frontier this item's reading measures."""
     return [
         (variant.name, budget, replace(variant.cache, budget=budget, resolved_budget=None))
         for variant, budget in item.frontier
-        if _derivable(variant.cache)
+        if derivable(variant.cache)
     ]
 
 

@@ -140,11 +140,8 @@ class WindowSelector:
         if self.mass is not None:
             mass = _pad_keys(self.mass, keys.shape[2])[..., : keys.shape[2]]
             return pool(mass.sum(axis=2), self.kernel)
-        batch, n_q_heads, n_queries, _ = self.queries.shape
-        visible = key_positions[:, :, None, None, :] <= self.positions[None, None, None, :, None]  # [B, H, 1, W, N]
-        group = n_q_heads // keys.shape[1]
-        visible = mx.broadcast_to(visible, (*visible.shape[:2], group, *visible.shape[3:]))
-        visible = visible.reshape(batch, n_q_heads, n_queries, keys.shape[2])
+        n_q_heads, n_queries = self.queries.shape[1], self.queries.shape[2]
+        visible = self._visible(keys, key_positions)
         heads_see = None if slots is None else slots.heads_see(n_q_heads)
         if heads_see is not None:
             visible = visible & heads_see
@@ -153,6 +150,14 @@ class WindowSelector:
         mass = attend_and_score(self.queries, keys, None, scale=scale, mask=visible, score_rows=n_queries).key_mass
         return pool(mass, self.kernel)
 
+    def _visible(self, keys: mx.array, key_positions: mx.array) -> mx.array:
+        """``[B, H*R, W, N]``: which of ``keys`` (at ``key_positions`` ``[B, H, N]``) each remembered query sees."""
+        batch, n_q_heads, n_queries, _ = self.queries.shape
+        visible = key_positions[:, :, None, None, :] <= self.positions[None, None, None, :, None]  # [B, H, 1, W, N]
+        group = n_q_heads // keys.shape[1]
+        visible = mx.broadcast_to(visible, (*visible.shape[:2], group, *visible.shape[3:]))
+        return visible.reshape(batch, n_q_heads, n_queries, keys.shape[2])
+
     def _peaks(self, keys: mx.array, key_positions: mx.array, scale: Optional[float]) -> mx.array:
         """KVzip: the largest attention the reconstruction or any window query paid each key ``[B, H, N]``."""
         n_keys = keys.shape[2]
@@ -160,12 +165,8 @@ class WindowSelector:
         if self.mass is not None:
             window = _pad_keys(self.mass, n_keys)[..., :n_keys].max(axis=2)
         elif self.queries is not None:
-            group = self.queries.shape[1] // keys.shape[1]
-            visible = key_positions[:, :, None, None, :] <= self.positions[None, None, None, :, None]
-            visible = mx.broadcast_to(visible, (*visible.shape[:2], group, *visible.shape[3:]))
-            visible = visible.reshape(keys.shape[0], self.queries.shape[1], self.queries.shape[2], n_keys)
             scale = keys.shape[-1] ** -0.5 if scale is None else scale
-            window = attention.key_peak(self.queries, keys, scale, visible)
+            window = attention.key_peak(self.queries, keys, scale, self._visible(keys, key_positions))
         else:
             return peak
         return mx.maximum(peak, window)

@@ -61,6 +61,15 @@ def reading_recipe(config: KVCacheConfig) -> Optional[tuple]:
     return (policy.signal, config.scoring, choices.selection, config.window, config.kernel, config.kv_dtype, config.lookahead)
 
 
+def derivable(config: KVCacheConfig) -> bool:
+    """True when ``config``'s stack can be cut from a shared reading (``reading_recipe`` raises nothing)."""
+    try:
+        reading_recipe(config)
+    except NotDerivable:
+        return False
+    return True
+
+
 def _recording_config(configs: list[KVCacheConfig]) -> KVCacheConfig:
     """A config that computes what every config of one recipe needs while reading, and evicts nothing.
 

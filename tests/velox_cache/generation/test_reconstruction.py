@@ -6,6 +6,7 @@ import mlx.core as mx
 import pytest
 
 from velox_cache import KVCacheBuilder, KVCacheConfig, prefill_phases
+from velox_cache.cache import phases
 from velox_cache.config import ConfigError
 from velox_cache.generation.routing import attention_routing
 
@@ -66,11 +67,16 @@ def test_streaming_cannot_rank_by_reconstruction():
         KVCacheConfig(method="pyramidkv", eviction="streaming", selection="reconstruction")
 
 
-def test_other_caches_in_the_stack_are_left_as_they_were(tiny_model):
+@pytest.mark.parametrize("dropped", [phases.reconstruction, phases.look_ahead, phases.drafting])
+def test_a_cache_that_ranks_nothing_is_given_back_array_for_array(tiny_model, dropped):
+    """mlx-lm's KVCache (the full stack of a shared reading) holds after a dropped call what it held before."""
     model, tokenizer = tiny_model
     document, instruction = _prompt(tokenizer)
-    config = KVCacheConfig(method="full")
-    caches = KVCacheBuilder.for_model(model, config)
-    prefill_phases(model, caches, document=document, instruction=instruction, chunk_size=CHUNK, repeat=REPEAT)
-    assert all(c.offset == len(document) + len(instruction) for c in caches)  # the full cache ranks nothing: no re-read
-    assert mx.array_equal(caches[0].keys[..., caches[0].offset :, :], mx.zeros_like(caches[0].keys[..., caches[0].offset :, :])).item()
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="full"))
+    prefill_phases(model, caches, document=document, instruction=instruction, chunk_size=CHUNK)
+    before = [(c.offset, mx.array(c.keys), mx.array(c.values)) for c in caches]
+    with dropped(caches):
+        model(mx.array([REPEAT + document[: 2 * CHUNK]]), cache=caches)  # grows the buffers past their step
+    for cache, (offset, keys, values) in zip(caches, before):
+        assert cache.offset == offset
+        assert mx.array_equal(cache.keys, keys).item() and mx.array_equal(cache.values, values).item()
