@@ -10,9 +10,9 @@ per-head counts.
 Layout: a flattened head x token buffer, ``[B=1, 1, T, D]``, with ``heads``
 ``[T]`` naming each slot's KV head (selection leaves each head's slots
 together and in slot order). A layer holding ``heads x budget`` tokens takes
-exactly the bytes of uniform heads at ``budget``. Attention runs over the one
-buffer with a mask that lets each query head see only its KV head's slots
-(``attention_mask``), so the model's attention must go through Velox
+exactly the bytes of uniform heads at ``budget``. Each query head attends to
+its KV head's slots only (a decode step names each slot's head to the
+kernel; a chunk goes head by head), so the model's attention must go through Velox
 (``velox_cache.observe`` or ``fast_attention``).
 
 Everything else is ``TokenSlots`` with one (flattened) head: appends write
@@ -30,7 +30,8 @@ import mlx.core as mx
 
 from ..kernels import attention
 from ..kernels.attend import AttentionResult, attend_and_score
-from .slots import TokenSlots
+from ..kernels.masks import pooled_heads_mask
+from .slots import TokenSlots, recent_limit
 
 
 def head_membership(heads: mx.array, n_heads: int) -> mx.array:
@@ -73,6 +74,7 @@ class HeadPooledSlots(TokenSlots):
         self._mask_cache = None
         self._by_head_cache = None
         self._membership_cache = None
+        self._counts_cache = None
 
     @classmethod
     def pooled(cls, slots: TokenSlots, floor: float) -> "HeadPooledSlots":
@@ -111,8 +113,11 @@ class HeadPooledSlots(TokenSlots):
         return self.heads[: self.stored]
 
     def head_counts(self) -> list:
-        """Tokens each KV head holds now (``[H]`` ints)."""
-        return self.membership(self.stored).sum(axis=-1).tolist()
+        """Tokens each KV head holds now (``[H]`` ints; read from the device once while heads stay)."""
+        key = (self._heads_changed, self.stored)
+        if self._counts_cache is None or self._counts_cache[0] != key:
+            self._counts_cache = (key, self.membership(self.stored).sum(axis=-1).tolist())
+        return self._counts_cache[1]
 
     def membership(self, n_slots: int) -> mx.array:
         """``[H, n_slots]`` bool: which of the first ``n_slots`` slots each head holds (reused while heads stay)."""
@@ -129,8 +134,7 @@ class HeadPooledSlots(TokenSlots):
 
     def heads_see(self, n_q_heads: int) -> mx.array:
         """Which held slots each query head sees ``[H*R, 1, T]``: its own KV head's."""
-        kv_head_of_query = mx.arange(n_q_heads, dtype=mx.int32) // (n_q_heads // self.n_heads)
-        return kv_head_of_query[:, None, None] == self.held_heads()[None, None, :]
+        return pooled_heads_mask(self.held_heads(), n_q_heads, self.n_heads)[0]
 
     def pool(self, mass: mx.array, kernel: int) -> mx.array:
         """``mass`` ``[1, 1, N]`` of the first N slots, max-pooled over neighbouring slots of the same head."""
@@ -165,14 +169,19 @@ class HeadPooledSlots(TokenSlots):
         """Attention of the latest call's queries, each query head over its own KV head's slots.
 
         The model's ``mask`` is replaced by the layout's own. A decode token
-        attends over the whole buffer, masked (one call). A chunk attends
+        attends in one call that names each slot's head (``key_heads``: the
+        fused kernel reads only the query head's own slots; other paths mask
+        the rest). A call with attention sinks attends over the whole buffer
+        with ``attention_mask``. A chunk attends
         head by head over that head's slots, which hold its new tokens last
         and in order (a plain causal mask, no wasted work), and the scores go
         back to their slots.
         """
         n_q_heads, n_queries = queries.shape[1], queries.shape[2]
-        if n_queries == 1 or options.get("sinks") is not None:
+        if options.get("sinks") is not None:
             return attend_and_score(queries, keys, values, mask=self.attention_mask(n_queries, n_q_heads), **options)
+        if n_queries == 1:  # every head over its own slots, in one call
+            return attend_and_score(queries, keys, values, key_heads=self.held_heads(), n_heads=self.n_heads, **options)
         group = n_q_heads // self.n_heads
         parts = []
         for head, slots in enumerate(self.slots_by_head()):
@@ -270,13 +279,19 @@ class HeadPooledSlots(TokenSlots):
         slides; a head holding only sinks, its newest sink. Never another head's slot.
         """
         members = self.membership(self.stored)  # [H, T]
+        keys, values = keys.reshape(1, 1, self.n_heads, -1), values.reshape(1, 1, self.n_heads, -1)
+        protectable = self.n_sink + int(recent_limit(self.recent, budget, self.n_sink))
+        if min(self.head_counts()) > protectable:  # no head can have every slot protected (distinct positions)
+            ranking = mx.where(members, self.protected_ranking(budget), mx.inf)  # [1, H, T]
+            self.replace(mx.argmin(ranking, axis=-1, keepdims=True).swapaxes(1, 2), keys, values, self.offset)
+            return
         ranking = mx.where(members, self.protected_ranking(budget)[0, 0][None, :], mx.inf)
         positions = self.held_positions()[0, 0].astype(mx.float32)[None, :]
         sink = positions < self.n_sink
         oldest = mx.where(members, mx.where(sink, -positions + 2.0 * (self.offset + 1), positions), mx.inf)
         unprotected = mx.min(ranking, axis=-1) < mx.inf  # [H]
         victims = mx.where(unprotected, mx.argmin(ranking, axis=-1), mx.argmin(oldest, axis=-1))[None, None]  # [1, 1, H]
-        self.replace(victims, keys.reshape(1, 1, self.n_heads, -1), values.reshape(1, 1, self.n_heads, -1), self.offset)
+        self.replace(victims, keys, values, self.offset)
 
     def compact(self, shift) -> None:
         """Re-rotate each head's keys to contiguous positions ending at ``offset - 1``; ``offset`` becomes the largest count.

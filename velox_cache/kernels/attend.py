@@ -28,7 +28,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import attention, kernel
+from . import attention, kernel, masks
 from .attention import Mask
 
 ENVIRONMENT_VARIABLE = "VELOX_ATTENTION"
@@ -121,6 +121,8 @@ def attend_and_score(
     sinks: Optional[mx.array] = None,
     score_rows: int = 0,
     entropy_rows: int = 0,
+    key_heads: Optional[mx.array] = None,
+    n_heads: int = 0,
 ) -> AttentionResult:
     """Attention of ``queries`` ``[B, H*R, S, D]`` over ``keys``/``values`` ``[B, H, N, D]``.
 
@@ -129,10 +131,16 @@ def attend_and_score(
     ``sinks`` ``[H*R]`` are per-head logits that take softmax mass but attend
     to nothing (gpt-oss; as ``mx.fast.scaled_dot_product_attention``): they
     count in the output and the scores. ``values=None`` computes only the
-    scores. See ``AttentionResult``.
+    scores. ``key_heads`` ``[N]`` with ``n_heads``: keys/values ``[B, 1, N,
+    D]`` hold pooled per-head slots (``HeadPooledSlots``), slot ``j`` of KV
+    head ``key_heads[j]``, and each query head sees its own KV head's only:
+    the kernel skips the others' slots, every other path masks them. See
+    ``AttentionResult``.
     """
     batch, n_q_heads, n_queries, _ = queries.shape
     score_rows, entropy_rows = min(score_rows, n_queries), min(entropy_rows, n_queries)
+    if key_heads is not None and not (uses_kernel() and sinks is None and not isinstance(mask, str)):
+        mask, key_heads = masks.with_pooled_heads(mask, key_heads, n_q_heads, n_heads), None
     if uses_kernel() and kernel_supports(queries, keys, values, mask, sinks):
         output, key_mass, entropy = kernel.blocked_attention(
             queries,
@@ -143,6 +151,8 @@ def attend_and_score(
             score_rows=score_rows,
             entropy_rows=entropy_rows,
             two_streams=kernel_streams() == 2,
+            key_heads=key_heads,
+            n_heads=n_heads,
         )
     else:
         output = None

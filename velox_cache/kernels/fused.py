@@ -47,12 +47,19 @@ def fused_attention(
     mask: Mask = None,
     score_rows: int = 0,
     entropy_rows: int = 0,
+    key_heads: Optional[mx.array] = None,
+    n_heads: int = 0,
 ) -> Optional[tuple]:
     """``(output, key_mass, entropy)`` as ``kernel.blocked_attention`` returns them, or None where not built.
 
     ``queries`` ``[B, H*R, S, D]``, ``keys``/``values`` ``[B, H, N, D]``;
     ``mask`` None, ``"causal"`` or an array broadcastable to ``[B, H*R, S, N]``
     (boolean or additive). The output comes back in the queries' dtype.
+    ``key_heads`` ``[N]`` with ``n_heads``: pooled per-head slots (keys
+    ``[B, 1, N, D]``, slot ``j`` of KV head ``key_heads[j]``); each query head
+    attends to its own KV head's slots only, one task per head, nothing
+    computed for the others' (``masks.with_pooled_heads`` is the same call
+    as a mask).
     """
     if not available():
         return None
@@ -71,6 +78,8 @@ def fused_attention(
         causal=isinstance(mask, str),
         score_rows=score_rows,
         entropy_rows=entropy_rows,
+        key_heads=key_heads,
+        n_heads=n_heads if key_heads is not None else 0,
     )
     if output is not None and output.dtype != queries.dtype:
         output = output.astype(queries.dtype)

@@ -47,7 +47,7 @@ from typing import Optional
 import mlx.core as mx
 
 from . import fused as fused_kernel
-from . import native
+from . import masks, native
 from .attention import Mask
 
 SQUARINGS = 5  # exp(x) = p(x / 2**5) ** (2**5), p the degree-6 Taylor polynomial of exp
@@ -151,6 +151,8 @@ def blocked_attention(
     rows_per_block: Optional[int] = None,
     two_streams: bool = False,
     fused: bool = True,
+    key_heads: Optional[mx.array] = None,
+    n_heads: int = 0,
 ):
     """Attention of ``queries`` ``[B, H*R, S, D]`` over ``keys``/``values`` ``[B, H, N, D]``.
 
@@ -169,13 +171,28 @@ def blocked_attention(
     ``fused`` (default): the fused native primitive computes the call where
     it is built (``rows_per_block`` and ``two_streams`` then do not apply);
     False: always the MLX ops below.
+
+    ``key_heads`` ``[N]`` with ``n_heads``: keys/values hold pooled per-head
+    slots ``[B, 1, N, D]``, slot ``j`` belonging to KV head ``key_heads[j]``;
+    query head ``q`` attends to KV head ``q // (H*R / n_heads)``'s slots only
+    (the fused primitive skips the others'; the MLX ops mask them).
     """
     if fused:
         result = fused_kernel.fused_attention(
-            queries, keys, values, scale=scale, mask=mask, score_rows=score_rows, entropy_rows=entropy_rows
+            queries,
+            keys,
+            values,
+            scale=scale,
+            mask=mask,
+            score_rows=score_rows,
+            entropy_rows=entropy_rows,
+            key_heads=key_heads,
+            n_heads=n_heads,
         )
         if result is not None:
             return result
+    if key_heads is not None:
+        mask = masks.with_pooled_heads(mask, key_heads, queries.shape[1], n_heads)
     batch, n_q_heads, n_queries, dim = queries.shape
     n_kv_heads, n_keys = keys.shape[1], keys.shape[2]
     group = n_q_heads // n_kv_heads

@@ -65,3 +65,25 @@ def fit_mask(mask, n_queries: int, n_keys: int):
         f"attention mask covers {mask.shape[-1]} keys but this layer holds {n_keys}, and it is not "
         "a plain causal mask that could be rebuilt for this layer"
     )
+
+
+def pooled_heads_mask(key_heads: mx.array, n_q_heads: int, n_heads: int) -> mx.array:
+    """``[1, H*R, 1, T]`` bool: query head ``q`` sees the pooled slots of KV head ``q // R`` only.
+
+    ``key_heads`` ``[T]`` names each slot's KV head (``HeadPooledSlots``'
+    layout: every head's slots in one ``[B, 1, T, D]`` buffer).
+    """
+    kv_head_of_query = mx.arange(n_q_heads, dtype=mx.int32) // (n_q_heads // n_heads)
+    return (kv_head_of_query[:, None, None] == key_heads[None, None, :])[None]
+
+
+def with_pooled_heads(mask, key_heads: mx.array, n_q_heads: int, n_heads: int) -> mx.array:
+    """``mask`` (None, boolean or additive array) restricted to each query head's own pooled slots."""
+    own = pooled_heads_mask(key_heads, n_q_heads, n_heads)
+    if mask is None:
+        return own
+    if isinstance(mask, str):
+        raise ValueError("key_heads: pooled slots take no causal mask (their slots are not in position order)")
+    if mask.dtype == mx.bool_:
+        return mask & own
+    return mx.where(own, mask, -mx.inf)

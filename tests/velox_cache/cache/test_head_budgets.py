@@ -257,3 +257,17 @@ def test_a_head_whose_slots_are_all_protected_writes_into_its_own_slot():
     assert positions[4] == 0, "head 1 keeps its sink; its oldest non-sink token (the recent one) made room"
     assert positions[5] == 10 and slots.keys[0, 0, 5, 0].item() == -2.0
     assert positions[1] == 10 and slots.keys[0, 0, 1, 0].item() == -1.0, "head 0 replaced its lowest-ranked slot"
+
+
+def test_each_head_with_an_unprotected_slot_replaces_its_own_lowest_ranked_one():
+    # budget 4 per head: recent = min(1, 4 - 1 - 1) = 1 protects position 11; n_sink 1 protects position 0.
+    # Scores rise with the slot (1, 2, ...), so each head's lowest-ranked unprotected slot is its first non-sink.
+    slots = _pooled_at_budget([[0, 3, 5, 11], [7, 0, 2, 11], [0, 4, 11, 6]], offset=12, n_sink=1, recent=1)
+    slots.scores = mx.array([[[1.0, 9.0, 2.0, 1.0, 0.5, 9.0, 3.0, 0.1, 9.0, 4.0, 0.2, 3.5]]])
+    new = mx.full((1, 3, 1, 4), -1.0) * mx.array([1.0, 2.0, 3.0])[None, :, None, None]
+    slots.replace_lowest(new, new, budget=4)
+    written = [slot for slot in range(12) if slots.keys[0, 0, slot, 0].item() < 0]
+    assert written == [2, 4, 11], "head 0: slot 2 (score 2); head 1: slot 4 (0.5); head 2: slot 11 (3.5, not 9)"
+    assert [slots.keys[0, 0, slot, 0].item() for slot in written] == [-1.0, -2.0, -3.0], "each head's own token"
+    assert [slots.positions[0, 0, slot].item() for slot in written] == [12, 12, 12]
+    assert slots.heads.tolist() == [0] * 4 + [1] * 4 + [2] * 4, "slots keep their heads"

@@ -277,3 +277,51 @@ def test_a_model_generates_the_same_greedy_tokens_with_native_attention_on_and_o
     pure_tokens, pure_logits = greedy()
     assert native_tokens == pure_tokens
     assert mx.allclose(native_logits, pure_logits, atol=1e-4, rtol=1e-4).item()
+
+
+# ----- pooled per-head slots (key_heads) ---------------------------------------------------------
+
+# (batch, pooled heads, group, queries, keys, head dim, extra bool mask)
+POOLED_CASES = {
+    "decode": (1, 3, 3, 1, 300, 64, False),  # few rows: each head's slots read in place
+    "decode-masked-rows": (2, 3, 3, 1, 130, 64, True),
+    "decode-two-heads": (1, 2, 2, 1, 45, 24, False),
+    "chunk": (1, 3, 3, 40, 200, 32, True),  # many rows: each head's slots gathered for the tiles
+    "chunk-unmasked": (1, 2, 4, 70, 333, 16, False),
+}
+
+
+@pytest.mark.parametrize("case", list(POOLED_CASES))
+def test_pooled_slots_attend_to_their_own_head_as_the_masked_call_does(case):
+    batch, n_heads, group, n_queries, n_keys, dim, extra = POOLED_CASES[case]
+    rng = np.random.default_rng(3)
+    queries = mx.array(rng.normal(size=(batch, n_heads * group, n_queries, dim)).astype(np.float32) * 2)
+    keys = mx.array(rng.normal(size=(batch, 1, n_keys, dim)).astype(np.float32) * 2)
+    values = mx.array(rng.normal(size=(batch, 1, n_keys, dim)).astype(np.float32))
+    key_heads = mx.array(rng.integers(0, n_heads, size=n_keys).astype(np.int32))
+    mask = mx.array(rng.uniform(size=(batch, 1, n_queries, n_keys)) > 0.3) if extra else None
+    own = velox_cache.kernels.masks.with_pooled_heads(mask, key_heads, n_heads * group, n_heads)
+    rows = min(4, n_queries)
+    got = native.ops().attention(queries, keys, values, mask, scale=0.2, score_rows=rows, entropy_rows=rows,
+                                 key_heads=key_heads, n_heads=n_heads)
+    expected = _reference(queries, keys, values, 0.2, mx.broadcast_to(own, (batch,) + own.shape[1:]), rows, rows)
+    errors = _errors(got, expected, values, batch * n_heads * group * rows)
+    assert max(errors) <= TOLERANCE, errors
+    pure = kernel.blocked_attention(queries, keys, values, scale=0.2, mask=mask, score_rows=rows, entropy_rows=rows,
+                                    fused=False, key_heads=key_heads, n_heads=n_heads)
+    assert max(_errors(pure, expected, values, batch * n_heads * group * rows)) <= TOLERANCE, "the MLX kernel masks"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"keys": (1, 3, 20, 8)}, "pooled keys"),
+    ({"causal": True}, "no causal"),
+    ({"n_heads": 4}, "dividing"),
+    ({"key_heads": 19}, "key_heads"),
+])
+def test_pooled_slots_refuse_what_they_cannot_mean(change, message):
+    shape = change.get("keys", (1, 1, 20, 8))
+    keys = mx.ones(shape)
+    with pytest.raises(ValueError, match=message):
+        native.ops().attention(mx.ones((1, 6, 1, 8)), keys, keys, None, scale=1.0, causal=change.get("causal", False),
+                               key_heads=mx.zeros((change.get("key_heads", 20),), mx.int32),
+                               n_heads=change.get("n_heads", 3))

@@ -91,7 +91,7 @@ std::vector<AttentionTask> tasks_of(const AttentionProblem& p, int64_t first_que
   std::vector<AttentionTask> tasks;
   for (int64_t stop = p.n_queries; stop > first_query; stop -= block)
     for (int64_t b = 0; b < p.batch; ++b)
-      for (int64_t h = 0; h < p.kv_heads; ++h) tasks.push_back({b, h, std::max(first_query, stop - block), stop});
+      for (int64_t h = 0; h < p.task_heads; ++h) tasks.push_back({b, h, std::max(first_query, stop - block), stop});
   return tasks;
 }
 
@@ -137,6 +137,7 @@ struct Settings {
   float scale;
   bool causal, has_values, has_mask;
   int score_rows, entropy_rows;
+  int pooled_heads;  // > 0: the last input is key_heads [N] (int32), the KV head of each pooled slot
   bool operator==(const Settings&) const = default;
 };
 
@@ -146,7 +147,8 @@ void compute(const Settings& settings, const std::vector<mx::array>& in, std::ve
   AttentionProblem p{};
   p.batch = queries.shape(0);
   p.kv_heads = keys.shape(1);
-  p.group = queries.shape(1) / p.kv_heads;
+  p.task_heads = settings.pooled_heads > 0 ? settings.pooled_heads : p.kv_heads;
+  p.group = queries.shape(1) / p.task_heads;
   p.n_queries = queries.shape(2);
   p.n_keys = keys.shape(2);
   p.dim = queries.shape(3);
@@ -171,6 +173,15 @@ void compute(const Settings& settings, const std::vector<mx::array>& in, std::ve
     copy_strides(mask, p.mask_strides);
     p.mask_is_bool = mask.dtype() == mx::bool_;
     p.mask = p.mask_is_bool ? static_cast<const void*>(mask.data<bool>()) : mask.data<float>();
+  }
+  std::vector<int32_t> key_heads;
+  if (settings.pooled_heads > 0) {
+    const mx::array& heads = in[next_input++];
+    const int32_t* source = heads.data<int32_t>();
+    const int64_t step = heads.strides()[0];
+    key_heads.resize(p.n_keys);
+    for (int64_t j = 0; j < p.n_keys; ++j) key_heads[j] = source[j * step];
+    p.key_heads = key_heads.data();
   }
   float* key_mass = nullptr;
   if (settings.score_rows > 0) {
@@ -237,7 +248,8 @@ mx::array float32(const mx::array& a, const mx::Stream& s) {
 
 std::tuple<std::optional<mx::array>, std::optional<mx::array>, std::optional<mx::array>> attention(
     const mx::array& queries, const mx::array& keys, const std::optional<mx::array>& values,
-    const std::optional<mx::array>& mask, float scale, bool causal, int score_rows, int entropy_rows) {
+    const std::optional<mx::array>& mask, float scale, bool causal, int score_rows, int entropy_rows,
+    const std::optional<mx::array>& key_heads, int pooled_heads) {
   const auto s = mx::default_stream(mx::Device::cpu);
   if (queries.ndim() != 4 || keys.ndim() != 4) {
     throw std::invalid_argument("attention: queries [B, H*R, S, D] and keys [B, H, N, D]");
@@ -247,6 +259,15 @@ std::tuple<std::optional<mx::array>, std::optional<mx::array>, std::optional<mx:
   const int kv_heads = keys.shape(1), n_keys = keys.shape(2);
   if (keys.shape(0) != batch || keys.shape(3) != dim || kv_heads == 0 || q_heads % kv_heads) {
     throw std::invalid_argument("attention: keys must be [B, H, N, D] with H dividing the query heads");
+  }
+  if (key_heads) {
+    if (kv_heads != 1 || pooled_heads < 1 || q_heads % pooled_heads || causal || key_heads->ndim() != 1 ||
+        key_heads->shape(0) != n_keys) {
+      throw std::invalid_argument(
+          "attention: key_heads [N] takes pooled keys [B, 1, N, D], n_heads >= 1 dividing the query heads, no causal");
+    }
+  } else {
+    pooled_heads = 0;
   }
   if (values && values->shape() != keys.shape()) throw std::invalid_argument("attention: values must be keys' shape");
   if (causal && (mask || n_keys < n_queries)) {
@@ -267,8 +288,9 @@ std::tuple<std::optional<mx::array>, std::optional<mx::array>, std::optional<mx:
     m = mask->dtype() == mx::bool_ ? m : float32(m, s);
     inputs.push_back(mx::broadcast_to(m, {batch, q_heads, n_queries, n_keys}, s));
   }
+  if (pooled_heads > 0) inputs.push_back(mx::astype(*key_heads, mx::int32, s));
   auto primitive = std::make_shared<Attention>(
-      s, Settings{scale, causal, values.has_value(), mask.has_value(), score_rows, entropy_rows});
+      s, Settings{scale, causal, values.has_value(), mask.has_value(), score_rows, entropy_rows, pooled_heads});
   auto shapes = primitive->shapes(queries, keys);
   auto arrays = mx::array::make_arrays(shapes, std::vector<mx::Dtype>(shapes.size(), mx::float32), primitive, inputs);
   std::tuple<std::optional<mx::array>, std::optional<mx::array>, std::optional<mx::array>> result;
@@ -286,11 +308,14 @@ void register_attention(nb::module_& m) {
         "The instruction set of the attention tile loops this CPU runs.");
   m.def("attention", &attention, nb::arg("queries"), nb::arg("keys"), nb::arg("values").none(),
         nb::arg("mask").none(), nb::kw_only(), nb::arg("scale"), nb::arg("causal") = false,
-        nb::arg("score_rows") = 0, nb::arg("entropy_rows") = 0,
+        nb::arg("score_rows") = 0, nb::arg("entropy_rows") = 0, nb::arg("key_heads").none() = nb::none(),
+        nb::arg("n_heads") = 0,
         "Fused attention of queries [B, H*R, S, D] over keys/values [B, H, N, D] (values None: scores only):\n"
         "(output [B, H*R, S, D] or None, key mass of the last score_rows queries [B, H, N] or None,\n"
         "sum of the last entropy_rows rows' entropy / log(N) or None), all float32. causal is lower-right\n"
-        "aligned; mask is None or an additive float / boolean array broadcastable to [B, H*R, S, N].");
+        "aligned; mask is None or an additive float / boolean array broadcastable to [B, H*R, S, N].\n"
+        "key_heads [N] (int32) with n_heads: pooled per-head slots, keys/values [B, 1, N, D] whose key j\n"
+        "belongs to KV head key_heads[j] < n_heads; query head q sees only KV head q // (H*R / n_heads)'s keys.");
 }
 
 }  // namespace velox

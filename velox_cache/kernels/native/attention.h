@@ -15,10 +15,14 @@ struct AttentionProblem {
   const float* values;  // [B, H, N, D] likewise, or null: scores only
   int64_t value_strides[4];
   const void* mask;  // [B, H*R, S, N] float32 (additive) or bool (true = attend), or null
+  // Pooled per-head slots: keys/values [B, 1, N, D] whose key j belongs to KV head key_heads[j] (0..task_heads-1);
+  // query head q sees only its own KV head's keys. Null: key_heads is the keys' own head axis.
+  const int32_t* key_heads;
   int64_t mask_strides[4];
   bool mask_is_bool;
   bool causal;  // lower-right aligned: query i sits at position N - S + i and sees keys j <= N - S + i
-  int64_t batch, kv_heads, group, n_queries, n_keys, dim;
+  int64_t batch, kv_heads, group, n_queries, n_keys, dim;  // kv_heads: the keys' head axis
+  int64_t task_heads;  // the KV heads tasks run over: kv_heads, or the pooled heads of key_heads
   float scale;
   int64_t score_from;    // first query whose attention feeds the key mass (n_queries: none)
   int64_t entropy_from;  // first query whose row entropy is summed (n_queries: none)

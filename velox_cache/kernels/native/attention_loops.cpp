@@ -207,6 +207,8 @@ struct Workspace {
   std::vector<float> qt, st, ot, row_max, row_sum, alpha, entropy, mass_weight;
   std::vector<int32_t> position;
   std::vector<int64_t> mask_row;
+  std::vector<int64_t> key_index;           // pooled slots: the task's head's keys, in slot order
+  std::vector<float> own_keys, own_values;  // ... gathered contiguous for the many-rows tiles
 };
 
 // A vector of rows [m0, m0 + NV * LANES) at a time, as two or one vectors.
@@ -225,16 +227,26 @@ class Task {
     mp = (M + LANES - 1) / LANES * LANES;
     key_end = p.causal ? N - S + t.last_query : N;
     first_position = N - S + t.first_query;
-    keys = p.keys + t.batch * p.key_strides[0] + t.head * p.key_strides[1];
+    const int64_t key_head = p.key_heads != nullptr ? 0 : t.head;  // pooled slots share one head axis
+    keys = p.keys + t.batch * p.key_strides[0] + key_head * p.key_strides[1];
     key_stride = p.key_strides[2];
     if (p.values != nullptr) {
-      values = p.values + t.batch * p.value_strides[0] + t.head * p.value_strides[1];
+      values = p.values + t.batch * p.value_strides[0] + key_head * p.value_strides[1];
       value_stride = p.value_strides[2];
+    }
+    if (p.key_heads != nullptr) {  // this head's slots only (never causal: decode steps and masked calls)
+      w.key_index.clear();
+      for (int64_t j = 0; j < N; ++j)
+        if (p.key_heads[j] == t.head) w.key_index.push_back(j);
+      index = w.key_index.data();
+      row_index = index;
+      key_end = static_cast<int64_t>(w.key_index.size());
     }
   }
 
   void run(ScoreSums& sums) {
     if (2 * M <= LANES) return few_rows<LANES / 2>(sums);
+    if (index != nullptr) gather_own_slots();
     const int64_t first_scored = std::min(p_.score_from, p_.entropy_from);
     const int64_t scored_row = std::max<int64_t>(0, (first_scored - t_.first_query) * R);
     // without values only the scored rows matter; their panels start at a whole vector
@@ -260,8 +272,31 @@ class Task {
   const float* keys = nullptr;
   const float* values = nullptr;
   int64_t key_stride = 0, value_stride = 0;
+  const int64_t* index = nullptr;      // pooled slots: the task's j-th key is slot index[j] (mask, key mass)
+  const int64_t* row_index = nullptr;  // ... and row row_index[j] of keys/values (null once gathered)
 
   int64_t query_of(int64_t row) const { return t_.first_query + row / R; }
+  int64_t key_at(int64_t j) const { return index != nullptr ? index[j] : j; }
+  const float* key_row(int64_t j) const { return keys + (row_index != nullptr ? row_index[j] : j) * key_stride; }
+  const float* value_row(int64_t j) const {
+    return values + (row_index != nullptr ? row_index[j] : j) * value_stride;
+  }
+
+  // The task's head's slots copied together, so the many-rows tiles read keys and values in place.
+  void gather_own_slots() {
+    w_.own_keys.resize(key_end * D);
+    for (int64_t j = 0; j < key_end; ++j) std::memcpy(w_.own_keys.data() + j * D, key_row(j), D * sizeof(float));
+    if (values != nullptr) {
+      w_.own_values.resize(key_end * D);
+      for (int64_t j = 0; j < key_end; ++j)
+        std::memcpy(w_.own_values.data() + j * D, value_row(j), D * sizeof(float));
+      values = w_.own_values.data();
+      value_stride = D;
+    }
+    keys = w_.own_keys.data();
+    key_stride = D;
+    row_index = nullptr;
+  }
 
   void prepare() {
     w_.qt.assign(D * mp, 0.0f);
@@ -312,14 +347,14 @@ class Task {
     float* st = w_.st.data();
     const int64_t key_step = p_.mask_strides[3];
     for (int64_t m = first_row; m < M; ++m) {
-      const int64_t base = w_.mask_row[m] + k0 * key_step;
+      const int64_t base = w_.mask_row[m];
       if (p_.mask_is_bool) {
         const bool* allowed = static_cast<const bool*>(p_.mask) + base;
         for (int64_t j = 0; j < n_block; ++j)
-          if (!allowed[j * key_step]) st[j * mp + m] = NEG_INF;
+          if (!allowed[key_at(k0 + j) * key_step]) st[j * mp + m] = NEG_INF;
       } else {
         const float* add = static_cast<const float*>(p_.mask) + base;
-        for (int64_t j = 0; j < n_block; ++j) st[j * mp + m] += add[j * key_step];
+        for (int64_t j = 0; j < n_block; ++j) st[j * mp + m] += add[key_at(k0 + j) * key_step];
       }
     }
   }
@@ -362,7 +397,7 @@ class Task {
   }
 
   void write_output() {
-    const int64_t heads = p_.kv_heads * R;
+    const int64_t heads = p_.task_heads * R;
     for (int64_t m = 0; m < M; ++m) {
       const int64_t head = t_.head * R + m % R;
       float* out = p_.output + ((t_.batch * heads + head) * S + query_of(m)) * D;
@@ -380,7 +415,7 @@ class Task {
     w_.entropy.assign(mp, 0.0f);
     for (int64_t m = first_row; m < M; ++m)
       if (query_of(m) >= p_.score_from) w_.mass_weight[m] = 1.0f / w_.row_sum[m];
-    float* key_mass = mass ? sums.key_mass + (t_.batch * p_.kv_heads + t_.head) * N : nullptr;
+    float* key_mass = mass ? sums.key_mass + (t_.batch * p_.kv_heads + (index != nullptr ? 0 : t_.head)) * N : nullptr;
     float* st = w_.st.data();
     for (int64_t k0 = 0; k0 < key_end; k0 += KEY_BLOCK) {
       const int64_t n_block = std::min<int64_t>(KEY_BLOCK, key_end - k0);
@@ -402,7 +437,7 @@ class Task {
         Floats total = Floats{};
         for (int64_t m0 = first_row; m0 < mp; m0 += LANES)
           total += load(st + j * mp + m0) * load(w_.mass_weight.data() + m0);
-        key_mass[k0 + j] += lane_sum(total);
+        key_mass[key_at(k0 + j)] += lane_sum(total);
       }
     }
     if (!entropy) return;
@@ -468,7 +503,7 @@ class Task {
       if (p_.values != nullptr) few_values<ROWS>(k0, n_block, dp, alpha);
     }
     if (p_.output != nullptr) {
-      const int64_t heads = p_.kv_heads * R;
+      const int64_t heads = p_.task_heads * R;
       for (int m = 0; m < ROWS; ++m) {
         float* out = p_.output + ((t_.batch * heads + t_.head * R + m % R) * S + query_of(m)) * D;
         const float inverse = 1.0f / row_sum[m];
@@ -486,11 +521,12 @@ class Task {
     float* s = w_.st.data();
     int64_t j = 0;
     for (; j + 2 <= n_block; j += 2) {
-      const float* k = keys + (k0 + j) * key_stride;
+      const float* k = key_row(k0 + j);
+      const float* k_next = key_row(k0 + j + 1);
       Floats first[ROWS], second[ROWS];
       for (int m = 0; m < ROWS; ++m) first[m] = second[m] = Floats{};
       for (int64_t d = 0; d < full; d += LANES) {
-        const Floats k_first = load(k + d), k_second = load(k + key_stride + d);
+        const Floats k_first = load(k + d), k_second = load(k_next + d);
         for (int m = 0; m < ROWS; ++m) {
           const Floats qv = load(q + m * dp + d);
           first[m] += qv * k_first;
@@ -501,14 +537,14 @@ class Task {
         float a = lane_sum(first[m]), b = lane_sum(second[m]);
         for (int64_t d = full; d < D; ++d) {
           a += q[m * dp + d] * k[d];
-          b += q[m * dp + d] * k[key_stride + d];
+          b += q[m * dp + d] * k_next[d];
         }
         s[m * KEY_BLOCK + j] = a;
         s[m * KEY_BLOCK + j + 1] = b;
       }
     }
     for (; j < n_block; ++j) {
-      const float* k = keys + (k0 + j) * key_stride;
+      const float* k = key_row(k0 + j);
       for (int m = 0; m < ROWS; ++m) {
         Floats acc = Floats{};
         for (int64_t d = 0; d < full; d += LANES) acc += load(q + m * dp + d) * load(k + d);
@@ -524,14 +560,14 @@ class Task {
       if (p_.causal)
         for (int64_t i = std::max<int64_t>(0, position[m] + 1 - k0); i < n_block; ++i) row[i] = NEG_INF;
       if (p_.mask != nullptr) {
-        const int64_t step = p_.mask_strides[3], base = mask_row[m] + k0 * step;
+        const int64_t step = p_.mask_strides[3], base = mask_row[m];
         if (p_.mask_is_bool) {
           const bool* allowed = static_cast<const bool*>(p_.mask) + base;
           for (int64_t i = 0; i < n_block; ++i)
-            if (!allowed[i * step]) row[i] = NEG_INF;
+            if (!allowed[key_at(k0 + i) * step]) row[i] = NEG_INF;
         } else {
           const float* add = static_cast<const float*>(p_.mask) + base;
-          for (int64_t i = 0; i < n_block; ++i) row[i] += add[i * step];
+          for (int64_t i = 0; i < n_block; ++i) row[i] += add[key_at(k0 + i) * step];
         }
       }
     }
@@ -544,21 +580,20 @@ class Task {
     float* o = w_.ot.data();
     for (int m = 0; m < ROWS; ++m)
       for (int64_t d = 0; d < dp; d += LANES) store(o + m * dp + d, load(o + m * dp + d) * alpha[m]);
-    const float* value = values + k0 * value_stride;
     const int64_t full = D / LANES * LANES;
     int64_t d0 = 0;
-    for (; d0 + CHUNK * LANES <= full; d0 += CHUNK * LANES) few_values_chunk<ROWS, CHUNK>(value, n_block, dp, d0);
-    for (; d0 + LANES <= full; d0 += LANES) few_values_chunk<ROWS, 1>(value, n_block, dp, d0);
+    for (; d0 + CHUNK * LANES <= full; d0 += CHUNK * LANES) few_values_chunk<ROWS, CHUNK>(k0, n_block, dp, d0);
+    for (; d0 + LANES <= full; d0 += LANES) few_values_chunk<ROWS, 1>(k0, n_block, dp, d0);
     for (int m = 0; m < ROWS; ++m)
       for (int64_t d = full; d < D; ++d) {
         float acc = o[m * dp + d];
-        for (int64_t j = 0; j < n_block; ++j) acc += w_.st[m * KEY_BLOCK + j] * value[j * value_stride + d];
+        for (int64_t j = 0; j < n_block; ++j) acc += w_.st[m * KEY_BLOCK + j] * value_row(k0 + j)[d];
         o[m * dp + d] = acc;
       }
   }
 
   template <int ROWS, int CHUNK>
-  void few_values_chunk(const float* value, int64_t n_block, int64_t dp, int64_t d0) {
+  void few_values_chunk(int64_t k0, int64_t n_block, int64_t dp, int64_t d0) {
     float* o = w_.ot.data();
     const float* p = w_.st.data();
     Floats acc[ROWS][CHUNK];
@@ -566,7 +601,8 @@ class Task {
       for (int c = 0; c < CHUNK; ++c) acc[m][c] = load(o + m * dp + d0 + c * LANES);
     for (int64_t j = 0; j < n_block; ++j) {
       Floats v[CHUNK];
-      for (int c = 0; c < CHUNK; ++c) v[c] = load(value + j * value_stride + d0 + c * LANES);
+      const float* value = value_row(k0 + j);
+      for (int c = 0; c < CHUNK; ++c) v[c] = load(value + d0 + c * LANES);
       for (int m = 0; m < ROWS; ++m) {
         const Floats weight = splat(p[m * KEY_BLOCK + j]);
         for (int c = 0; c < CHUNK; ++c) acc[m][c] += weight * v[c];
@@ -590,7 +626,7 @@ class Task {
     if (!any) return;
     const bool mass = scored && sums.key_mass != nullptr;
     const bool entropy = p_.entropy_from < S;
-    float* key_mass = mass ? sums.key_mass + (t_.batch * p_.kv_heads + t_.head) * N : nullptr;
+    float* key_mass = mass ? sums.key_mass + (t_.batch * p_.kv_heads + (index != nullptr ? 0 : t_.head)) * N : nullptr;
     Floats entropy_sum[ROWS];
     for (int m = 0; m < ROWS; ++m) entropy_sum[m] = Floats{};
     float* s = w_.st.data();
@@ -611,7 +647,7 @@ class Task {
       for (int64_t j = 0; j < n_block; ++j) {
         float total = 0.0f;
         for (int m = 0; m < ROWS; ++m) total += s[m * KEY_BLOCK + j] * weight[m];
-        key_mass[k0 + j] += total;
+        key_mass[key_at(k0 + j)] += total;
       }
     }
     if (!entropy) return;
