@@ -110,7 +110,7 @@ class HeadPooledSlots(TokenSlots):
         return self.stored == budget * self.n_heads
 
     def held_heads(self) -> mx.array:
-        return self.heads[: self.stored]
+        return self.heads if self.heads.shape[0] == self.stored else self.heads[: self.stored]
 
     def head_counts(self) -> list:
         """Tokens each KV head holds now (``[H]`` ints; read from the device once while heads stay)."""
