@@ -18,7 +18,10 @@ tokens are already held:
   PyramidKV cache at budget ``--budget`` (what it holds while streaming:
   at most its budget, plus the chunk);
 - ``floor / forward``: the share of the forward pass that is matmul work, for
-  each floor.
+  each floor;
+- ``attention alone``: the chunk's attention calls by themselves (random inputs
+  of each layer's shapes, causal, through the kernel the forward pass uses), and
+  their flops over that time: how close attention alone comes to the GEMM rate.
 
 With ``--perf`` (Debian's ``linux-perf``) the forward passes are also sampled
 with ``perf record`` and the samples split into GEMM (OpenBLAS), thread waits
@@ -55,6 +58,7 @@ from bench.common import load_default_model, prose  # noqa: E402
 from velox_cache import KVCacheBuilder, KVCacheConfig  # noqa: E402
 from velox_cache.cache.phases import Phase, tell  # noqa: E402
 from velox_cache.kernels import fused, native  # noqa: E402
+from velox_cache.kernels.attend import attend  # noqa: E402
 from velox_cache.kernels.elementwise import ACTIVATIONS  # noqa: E402
 
 CATEGORIES = [  # (name, pattern over perf's symbol column), first match wins
@@ -102,6 +106,30 @@ def attention_flops(model, chunk: int, held: list[int]) -> float:
     dim = getattr(args, "head_dim", None) or args.hidden_size // heads
     visible = [chunk * keys + chunk * (chunk + 1) / 2 for keys in held]  # summed over the chunk's queries
     return sum(2 * 2.0 * heads * dim * keys for keys in visible)
+
+
+def attention_alone(model, chunk: int, held: list[int], repeats: int = 3) -> float:
+    """Seconds of the chunk's attention calls by themselves (every layer, causal, output only), best of ``repeats``.
+
+    Random queries, keys and values of each layer's shapes, through the kernel the forward pass uses (the fused
+    primitive where it is on): what attention costs outside the model, against the ``+ attention`` floor.
+    """
+    args = model.args
+    heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
+    dim = getattr(args, "head_dim", None) or args.hidden_size // heads
+    calls = []
+    for keys in held:
+        q = mx.random.normal((1, heads, chunk, dim))
+        k, v = mx.random.normal((1, kv_heads, keys + chunk, dim)), mx.random.normal((1, kv_heads, keys + chunk, dim))
+        calls.append((q, k, v))
+    mx.eval(calls)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for q, k, v in calls:
+            mx.eval(attend(q, k, v, scale=dim**-0.5, mask="causal"))
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def chunk_forward(model, tokens: list[int], config: KVCacheConfig, context: int, chunk: int) -> tuple[float, list]:
@@ -170,8 +198,8 @@ def measure(args) -> None:
     baseline = {"activations": "mlx-lm's activations", "native": "pure-MLX ops",
                 "attention": "MLX attention kernel"}.get(args.compare)
     print("| cache | tokens held before the chunk | forward ms | linear floor ms | linear floor / forward "
-          "| linear + attention floor ms | floor / forward |" + (f" forward ms, {baseline} | speed-up |" if compare else ""))
-    print("|---|---|---|---|---|---|---|" + ("---|---|" if compare else ""))
+          "| linear + attention floor ms | floor / forward | attention alone ms | attention alone GFLOP/s |" + (f" forward ms, {baseline} | speed-up |" if compare else ""))
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if compare else ""))
     for name, config in kinds(args.budget).items():
         for context in args.contexts:
             chunk_forward(model, tokens, config, context, args.chunk)  # warm-up
@@ -183,9 +211,12 @@ def measure(args) -> None:
             seconds, held = min(runs)
             floor, linear_flops = matmul_floor(model, args.chunk)  # again beside the row: the load may have moved
             gemm_rate = linear_flops / floor
-            with_attention = floor + attention_flops(model, args.chunk, held) / gemm_rate
+            flops = attention_flops(model, args.chunk, held)
+            with_attention = floor + flops / gemm_rate
+            alone = attention_alone(model, args.chunk, held)
             line = (f"| {name} | {context} | {seconds * 1000:.0f} | {floor * 1000:.0f} | {floor / seconds:.0%} "
-                    f"| {with_attention * 1000:.0f} | {with_attention / seconds:.0%} |")
+                    f"| {with_attention * 1000:.0f} | {with_attention / seconds:.0%} | {alone * 1000:.0f} "
+                    f"| {flops / alone / 1e9:.0f} |")
             if compare:
                 with compare():
                     before = min(chunk_forward(model, tokens, config, context, args.chunk)[0]
