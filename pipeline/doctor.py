@@ -60,6 +60,8 @@ def diagnose() -> Report:
     report.add("device", f"{mx.default_device()} ({backend} backend)")
     report.add("weights on this backend", model_store.weights_mode())
     report.add("BLAS in use", platform.loaded_blas())
+    timeout = os.environ.get(platform.THREAD_TIMEOUT_VARIABLE)
+    report.add("OpenBLAS idle threads spin", f"2**{timeout} cycles" if timeout else "2**28 cycles (OpenBLAS's default)")
     report.add("float32 GEMM (this process)", f"{platform.gemm_gflops():.1f} GFLOP/s")
     if backend == "cpu" and sys.platform.startswith("linux"):
         openblas = platform.find_openblas()

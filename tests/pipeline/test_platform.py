@@ -46,6 +46,7 @@ def test_the_environment_preloads_openblas_and_sets_its_core(openblas_here):
     env = platform.fast_blas_environment({"PATH": "/bin"})
     assert env["LD_PRELOAD"] == "/usr/lib/x/openblas-pthread/libblas.so.3"
     assert env["OPENBLAS_CORETYPE"] == "SkylakeX" and env[platform.REEXEC_FLAG] == "1"
+    assert env["OPENBLAS_THREAD_TIMEOUT"] == "18", "idle OpenBLAS threads sleep after ~0.1 ms, not ~0.1 s"
 
 
 def test_a_preload_without_the_core_is_redone_with_it(openblas_here):
@@ -57,9 +58,13 @@ def test_a_preload_without_the_core_is_redone_with_it(openblas_here):
 def test_a_core_the_user_set_is_kept(openblas_here):
     env = platform.fast_blas_environment({"OPENBLAS_CORETYPE": "Haswell"})
     assert env["OPENBLAS_CORETYPE"] == "Haswell" and "libblas" in env["LD_PRELOAD"]
-    assert platform.fast_blas_environment(
-        {"OPENBLAS_CORETYPE": "Haswell", "LD_PRELOAD": "/usr/lib/x/openblas-pthread/libblas.so.3"}
-    ) is None
+    preloaded = {"OPENBLAS_CORETYPE": "Haswell", "LD_PRELOAD": "/usr/lib/x/openblas-pthread/libblas.so.3"}
+    assert platform.fast_blas_environment({**preloaded, "OPENBLAS_THREAD_TIMEOUT": "28"}) is None
+    assert platform.fast_blas_environment(preloaded)["OPENBLAS_THREAD_TIMEOUT"] == "18", "no timeout: redone with it"
+
+
+def test_a_thread_timeout_the_user_set_is_kept(openblas_here):
+    assert platform.fast_blas_environment({"OPENBLAS_THREAD_TIMEOUT": "28"})["OPENBLAS_THREAD_TIMEOUT"] == "28"
 
 
 def test_nothing_to_do_after_one_reexecution_or_without_openblas(openblas_here, monkeypatch):
