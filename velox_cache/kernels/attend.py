@@ -139,9 +139,10 @@ def attend_and_score(
     """
     batch, n_q_heads, n_queries, _ = queries.shape
     score_rows, entropy_rows = min(score_rows, n_queries), min(entropy_rows, n_queries)
-    if key_heads is not None and not (uses_kernel() and sinks is None and not isinstance(mask, str)):
+    on_kernel = uses_kernel() and kernel_supports(queries, keys, values, mask, sinks)
+    if key_heads is not None and not on_kernel:  # every other path masks the other heads' slots
         mask, key_heads = masks.with_pooled_heads(mask, key_heads, n_q_heads, n_heads), None
-    if uses_kernel() and kernel_supports(queries, keys, values, mask, sinks):
+    if on_kernel:
         output, key_mass, entropy = kernel.blocked_attention(
             queries,
             keys,

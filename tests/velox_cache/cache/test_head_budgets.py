@@ -9,6 +9,7 @@ from velox_cache.cache.head_slots import HeadPooledSlots, adaptive_keep
 from velox_cache.cache.signals import CumulativeMass
 from velox_cache.cache.slots import TokenSlots
 from velox_cache.config import ConfigError
+from velox_cache.kernels import attend as attend_module
 from velox_cache.kernels.attend import attend_and_score
 from velox_cache.kernels.rope import RotaryShift
 
@@ -271,3 +272,18 @@ def test_each_head_with_an_unprotected_slot_replaces_its_own_lowest_ranked_one()
     assert [slots.keys[0, 0, slot, 0].item() for slot in written] == [-1.0, -2.0, -3.0], "each head's own token"
     assert [slots.positions[0, 0, slot].item() for slot in written] == [12, 12, 12]
     assert slots.heads.tolist() == [0] * 4 + [1] * 4 + [2] * 4, "slots keep their heads"
+
+
+def test_a_decode_step_the_kernel_cannot_take_still_sees_only_its_own_heads_slots(monkeypatch):
+    """Off the kernel (here: a call it refuses) the pooled step is masked per head, not read across heads."""
+    uniform = _uniform_slots([[float(i % 7) for i in range(20)], [float(i % 5) * 3 for i in range(20)]])
+    uniform.offset = 20
+    pooled = HeadPooledSlots.pooled(uniform, floor=0.1)
+    pooled.evict_to(8)
+    queries = mx.random.normal((1, 6, 1, 8), key=mx.random.key(2))
+    keys, values = pooled.held()
+    expected = attend_and_score(queries, keys, values, scale=0.35, mask=pooled.attention_mask(1, 6), score_rows=1)
+    monkeypatch.setattr(attend_module, "kernel_supports", lambda *args, **kwargs: False)
+    result = pooled.attend(queries, keys, values, scale=0.35, mask=None, score_rows=1)
+    assert mx.allclose(result.output, expected.output, atol=2e-4, rtol=2e-4).item()
+    assert mx.allclose(result.key_mass, expected.key_mass, atol=2e-4, rtol=2e-4).item()
