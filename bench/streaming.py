@@ -18,6 +18,7 @@ as `make bench` does). Not tests: nothing here asserts on time.
 
     python bench/streaming.py cost --lengths 1024 2048 4096 8192 16384
     python bench/streaming.py needle --lengths 4096 8192 16384 --cases 5
+    python bench/streaming.py needle --lengths 4096 --cases 5 --variants full --job jobs/summarize.yaml
     python bench/streaming.py schedule --tokens 2048 --documents 3
 """
 
@@ -74,6 +75,19 @@ def variants(budget: int, names: list[str], overrides: dict = None) -> dict:
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {', '.join(table)}")
     return {name: table[name] for name in names}
+
+
+def job_variants(path: str, overrides: dict) -> dict:
+    """``job:NAME`` -> a job spec's compressed variant as the job streams a document past the context."""
+    from pipeline.spec import load_spec
+
+    streamed = {}
+    for variant in load_spec(path).variants:
+        if variant.cache.method != "full":
+            streamed[f"job:{variant.name}"] = dataclasses.replace(
+                variant.for_document(False).cache, **overrides, eviction="streaming"
+            )
+    return streamed
 
 
 def build_caches(model, config, scoring, prompt_tokens=None, new_tokens=None):
@@ -181,6 +195,8 @@ def cost(args):
 def needle(args):
     model, tokenizer = load_default_model()
     chosen = variants(args.budget, args.variants, config_overrides(args.set))
+    if args.job:
+        chosen.update(job_variants(args.job, config_overrides(args.set)))
     started = time.time()
     hits = {}
     for length in args.lengths:
@@ -271,8 +287,11 @@ def main(argv=None):
     common(sub)
     sub.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
     sub.add_argument("--cases", type=int, default=5)
-    sub.add_argument("--variants", nargs="+", default=["full", "streaming:pyramidkv", "streaming:squeeze"])
+    sub.add_argument("--variants", nargs="*", default=["full", "streaming:pyramidkv", "streaming:squeeze"])
     sub.add_argument("--max-tokens", type=int, default=24)
+    sub.add_argument("--job", metavar="SPEC", help="also a job spec's compressed variants as it streams a document past "
+                     "the context (Variant.for_document: eviction auto streams), each at its own budget "
+                     "unless --set budget=N")
     sub.set_defaults(run=needle)
 
     sub = commands.add_parser("schedule", help="squeeze's streaming schedule against its prefill-end schedule")

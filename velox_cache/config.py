@@ -17,6 +17,32 @@ SELECTIONS = ("cumulative", "window", "reconstruction")
 KV_DTYPES = ("float16", "bfloat16", "float32")
 HEAD_BUDGETS = ("uniform", "adaptive")
 
+# Each method's timing and prefill-end ranking when a config leaves them open: its policy class's
+# ``default_eviction`` and ``default_selection`` (the registry refuses a policy that disagrees). The
+# config needs them to fill in the ranking's defaults, which depend on the timing.
+DEFAULT_TIMINGS = {
+    "full": ("continuous", "cumulative"),
+    "h2o": ("continuous", "cumulative"),
+    "tova": ("continuous", "cumulative"),
+    "streaming": ("continuous", "cumulative"),
+    "snapkv": ("prefill_end", "window"),
+    "pyramidkv": ("prefill_end", "window"),
+    "squeeze": ("prefill_end", "window"),
+}
+
+# The ranking's defaults per timing (measured: bench/RESULTS.md, "What the answer will need"). At
+# prefill end the window ranks token by token (kernel 1) with the answer's first 16 drafted tokens
+# beside the prompt's last queries: the best fidelity and needles measured. Where no draft joins
+# the window (a caller that tells no phases, plain ``mlx_lm.generate``; no look-ahead asked) and
+# while streaming (each probe ranks a compressed context with no draft), ranking token by token
+# loses multi-token facts (0 of 5 streamed 4k needles; a 500-token needle at a 50% budget):
+# pooling over 31 neighbours keeps them whole.
+LOOKAHEAD_KERNEL = 1
+PREFILL_END_LOOKAHEAD = 16
+POOLED_KERNEL = 31
+STREAM_KERNEL = POOLED_KERNEL
+STREAM_LOOKAHEAD = 0
+
 # Field names of the original library, kept so that code written for it runs unchanged.
 ALIASES = {
     "pyramid_budget": "budget",
@@ -120,7 +146,21 @@ class KVCacheConfig:
             percentage of ``budget`` such as ``"25%"`` (``None``: budget // 8).
             Per-layer budgets (pyramid, squeeze) share the one window.
         window: SnapKV observation window (the prompt's last queries).
-        kernel: SnapKV pooling kernel over neighbouring positions (odd).
+        kernel: the pooling of the ranking at prefill end (the window's
+            scores, or a reconstruction's peaks) over neighbouring positions
+            (odd). ``None``: 1 (token by token, the best measured) where a
+            look-ahead's drafted queries joined the window, otherwise 31
+            (without a draft, ranking token by token loses multi-token
+            facts). Under ``eviction: streaming`` a ``kernel`` given without
+            ``stream_kernel`` is also the streamed pooling.
+        stream_kernel: the pooling under ``streaming`` (every probe, a chunk's
+            own window, the instruction's selection when prefill ends).
+            ``None``: ``kernel`` where the config streams and names one,
+            otherwise 31 (a probe ranking a compressed context without
+            pooling loses multi-token facts). A config keeps both rankings,
+            so one that reads at ``prefill_end`` where the prompt fits and
+            streams past the context (a job's ``eviction: auto``) pools by
+            ``kernel`` there and by ``stream_kernel`` here.
         mass_weight: share of cumulative attention mass (H2O, every prompt
             query) blended into the window's or the probe's ranking, in
             [0, 1]: 0 = that ranking alone (SnapKV), 1 = cumulative mass alone.
@@ -143,14 +183,24 @@ class KVCacheConfig:
             ``budget * stream_headroom`` + chunk + probe during prefill. 1 by
             default (every probe evicts to the budget: the least memory); 2
             tracks the full cache closer on summaries (the main job's setting).
-        lookahead: tokens drafted greedily with the stack as it stands when
-            the prompt ends (nothing evicted yet under ``prefill_end``), whose
-            queries join the window that ranks the held tokens, then dropped:
-            decoding starts from the prompt's end as before (Lookahead Q-Cache,
-            SpecKV). Costs ``lookahead`` decode steps on the unevicted stack
-            (``velox_cache.stream_prefill`` drafts them; a shared reading drafts
-            once for all its stacks). Needs a window ranking (``selection:
-            window`` or ``eviction: streaming``). 0: none.
+        lookahead: at prefill end, tokens drafted greedily with the stack as
+            it stands when the prompt ends (nothing evicted yet), whose queries
+            join the window that ranks the held tokens, then dropped: decoding
+            starts from the prompt's end as before (Lookahead Q-Cache, SpecKV).
+            Costs ``lookahead`` decode steps on the unevicted stack
+            (``velox_cache.prefill_phases`` drafts them; a shared reading
+            drafts once for all its stacks). A caller that tells no phases
+            (plain ``mlx_lm.generate``) drafts nothing: the window then holds
+            the prompt's queries alone (and an open ``kernel`` pools over 31).
+            Needs a window ranking (``selection: window``). ``None``: 16 where
+            the window ranks at prefill end (snapkv, pyramidkv, squeeze, or
+            ``selection: window``), otherwise 0. Under ``eviction: streaming``
+            a ``lookahead`` given without ``stream_lookahead`` is also the
+            streamed one.
+        stream_lookahead: tokens drafted (with the compressed stack) when a
+            streamed prefill ends, as ``lookahead`` does at prefill end.
+            ``None``: ``lookahead`` where the config streams and names one,
+            otherwise 0.
         fit_budgets: fit the per-layer budgets to the prompt when its length is
             known (``KVCacheBuilder.for_model(..., prompt_tokens=N,
             new_tokens=M)``): no layer gets more than the prompt plus the
@@ -171,12 +221,14 @@ class KVCacheConfig:
     selection: Optional[str] = None
     recent: Union[int, str, None] = None
     window: int = 32
-    kernel: int = 31
+    kernel: Optional[int] = None
     mass_weight: Optional[float] = None
     head_budgets: Optional[str] = None
     head_floor: float = 0.2
     stream_headroom: float = 1.0
-    lookahead: int = 0
+    lookahead: Optional[int] = None
+    stream_kernel: Optional[int] = None
+    stream_lookahead: Optional[int] = None
     fit_budgets: bool = True
 
     def __post_init__(self):
@@ -194,12 +246,14 @@ class KVCacheConfig:
         if parse_budget_fraction(self.recent, "recent") is None:
             _check_int("recent", self.recent, 0, optional=True)
         _check_int("window", self.window, 1)
-        _check_int("kernel", self.kernel, 1)
+        _check_int("kernel", self.kernel, 1, optional=True)
+        _check_int("stream_kernel", self.stream_kernel, 1, optional=True)
         _check_number("mass_weight", self.mass_weight, 0.0, 1.0, optional=True)
         _check_choice("head_budgets", self.head_budgets, HEAD_BUDGETS, optional=True)
         _check_number("head_floor", self.head_floor, 0.0, 1.0)
         _check_number("stream_headroom", self.stream_headroom, 1.0)
-        _check_int("lookahead", self.lookahead, 0)
+        _check_int("lookahead", self.lookahead, 0, optional=True)
+        _check_int("stream_lookahead", self.stream_lookahead, 0, optional=True)
         if not isinstance(self.fit_budgets, bool):
             raise ConfigError(f"fit_budgets: expected true or false, got {self.fit_budgets!r}")
         if self.head_budgets == "adaptive" and self.scoring == "key_proxy":
@@ -207,8 +261,9 @@ class KVCacheConfig:
                 "head_budgets: 'adaptive' ranks each head's tokens by the real queries' attention; "
                 "it needs scoring 'observed', not 'key_proxy'"
             )
-        if self.kernel % 2 == 0:
-            raise ConfigError(f"kernel: must be odd, got {self.kernel}")
+        for name in ("kernel", "stream_kernel"):
+            if getattr(self, name) is not None and getattr(self, name) % 2 == 0:
+                raise ConfigError(f"{name}: must be odd, got {getattr(self, name)}")
         if self.eviction == "streaming":
             if self.method == "streaming":
                 raise ConfigError(
@@ -220,6 +275,32 @@ class KVCacheConfig:
                     f"selection: 'streaming' eviction ranks by a probe or a window, not {self.selection!r} "
                     "(reconstruction re-reads the whole document, which streaming does not hold)"
                 )
+        self._fill_ranking()
+
+    def _fill_ranking(self) -> None:
+        """Fill in the open ranking fields with their timing's defaults (``PREFILL_END_*``, ``STREAM_*``).
+
+        Both rankings are resolved whatever the eviction, so a copy with another eviction
+        (``dataclasses.replace``; a job's ``eviction: auto`` streaming past the context) ranks by
+        that timing's own: the prefill-end fields are never the streamed ones unless the config
+        streams and names them. An open ``kernel`` stays None: whether a draft joined the window is
+        known only when prefill ends (``velox_cache.cache.selection.WindowSelector.pooling``).
+        """
+        default_eviction, default_selection = DEFAULT_TIMINGS[self.method]
+        eviction = self.eviction or default_eviction
+        selection = self.selection or default_selection  # what ranks at prefill end (streaming: always a window)
+        if self.lookahead and (eviction == "continuous" or (eviction == "prefill_end" and selection == "cumulative")):
+            raise ConfigError(
+                f"lookahead: drafted tokens join the window that ranks the prompt; {self.method} with eviction "
+                f"{eviction!r} and selection {selection!r} ranks by no window (use selection 'window')"
+            )
+        streams = eviction == "streaming"
+        if self.stream_kernel is None:
+            self.stream_kernel = self.kernel if streams and self.kernel is not None else STREAM_KERNEL
+        if self.stream_lookahead is None:
+            self.stream_lookahead = self.lookahead if streams and self.lookahead is not None else STREAM_LOOKAHEAD
+        if self.lookahead is None:
+            self.lookahead = PREFILL_END_LOOKAHEAD if eviction != "continuous" and selection == "window" else 0
 
     @property
     def budget_fraction(self) -> Optional[float]:

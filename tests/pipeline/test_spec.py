@@ -101,3 +101,46 @@ def test_duplicate_yaml_keys_are_errors(tmp_path, text, key):
     path.write_text(text)
     with pytest.raises(SpecError, match=f"duplicate key '{key}'"):
         load_spec(path)
+
+
+# ----- eviction: auto streams with the streaming ranking (issue 41, item 10) ------------------
+
+
+def _auto_variant(**fields):
+    spec = base_spec()
+    spec["variants"] = [{"name": "p", "method": "pyramidkv", "budget": 128, "eviction": "auto", **fields}]
+    return parse_spec(spec).variants[0]
+
+
+def _ranking(config):
+    from velox_cache.cache.choices import PolicyChoices
+    from velox_cache.policies import POLICIES
+
+    choices = PolicyChoices.resolve(POLICIES[config.method], config)
+    return choices.eviction, choices.kernel, choices.lookahead
+
+
+@pytest.mark.parametrize("named", [{}, {"kernel": 1, "lookahead": 16}, {"kernel": 3, "lookahead": 8}])
+def test_eviction_auto_streams_with_the_streaming_ranking_whatever_prefill_end_names(named):
+    variant = _auto_variant(**named)
+    kernel, lookahead = named.get("kernel"), named.get("lookahead", 16)  # kernel None: 1 once the draft joins
+    assert _ranking(variant.for_document(True).cache) == ("prefill_end", kernel, lookahead)
+    assert _ranking(variant.for_document(False).cache) == ("streaming", 31, 0)
+
+
+def test_eviction_auto_streams_with_the_ranking_named_for_streaming():
+    variant = _auto_variant(kernel=1, stream_kernel=15, stream_lookahead=4)
+    assert _ranking(variant.for_document(False).cache) == ("streaming", 15, 4)
+    with pytest.raises(SpecError, match=r"variants\[0\].stream_kernel: must be odd"):
+        _auto_variant(stream_kernel=8)
+
+
+def test_the_main_job_streams_past_the_context_with_the_streaming_ranking():
+    from pathlib import Path
+
+    spec = load_spec(Path(__file__).resolve().parents[2] / "jobs" / "summarize.yaml")
+    compressed = [v for v in spec.variants if v.cache.method != "full"]
+    assert compressed and all(v.auto_eviction for v in compressed)
+    for variant in compressed:
+        assert _ranking(variant.for_document(True).cache) == ("prefill_end", None, 16)  # 1 once the draft joins
+        assert _ranking(variant.for_document(False).cache) == ("streaming", 31, 0)

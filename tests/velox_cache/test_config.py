@@ -19,6 +19,12 @@ from velox_cache import ConfigError, KVCacheConfig
         (dict(eviction="sometimes"), "eviction"),
         (dict(kv_dtype="int8"), "kv_dtype"),
         (dict(kernel=4), "kernel"),
+        (dict(stream_kernel=6), "stream_kernel"),
+        (dict(stream_kernel=0), "stream_kernel"),
+        (dict(lookahead=-1), "lookahead"),
+        (dict(stream_lookahead=-2), "stream_lookahead"),
+        (dict(method="h2o", lookahead=4), "lookahead"),
+        (dict(method="pyramidkv", eviction="continuous", lookahead=4), "lookahead"),
         (dict(window=0), "window"),
         (dict(resolved_budget=2), "resolved_budget"),
     ],
@@ -111,3 +117,57 @@ def test_mass_weight_defaults_per_policy_and_an_explicit_value_wins():
     assert weight(method="pyramidkv") == weight(method="snapkv") == 0.0, "the window alone keeps needles"
     assert weight(method="squeeze", mass_weight=0.0) == 0.0
     assert weight(method="pyramidkv", mass_weight=0.5) == 0.5
+
+
+WINDOW_POLICIES = ["snapkv", "pyramidkv", "squeeze"]
+
+
+@pytest.mark.parametrize("method", WINDOW_POLICIES)
+def test_the_ranking_defaults_are_the_best_measured_per_timing(method):
+    """At prefill end: token by token with a 16-token look-ahead; streaming: pooled over 31, no draft."""
+    from velox_cache import KVCacheFactory
+
+    config = KVCacheConfig(method=method, budget=128)
+    assert (config.kernel, config.lookahead, config.stream_kernel, config.stream_lookahead) == (None, 16, 31, 0)
+    prefill_end = KVCacheFactory.create(config)
+    assert (prefill_end.eviction, prefill_end.lookahead) == ("prefill_end", 16)
+    assert prefill_end.selector.pooling == 31, "no draft has joined the window yet"
+    prefill_end.selector.widen(prefill_end.lookahead)  # what a look-ahead does (phases.look_ahead)
+    assert prefill_end.selector.pooling == 1
+    streamed = KVCacheFactory.create(KVCacheConfig(method=method, budget=128, eviction="streaming"))
+    assert (streamed.selector.pooling, streamed.lookahead) == (31, 0)
+    streamed.selector.widen(16)
+    assert streamed.selector.pooling == 31
+
+
+@pytest.mark.parametrize("method", WINDOW_POLICIES)
+def test_a_prefill_end_ranking_named_does_not_follow_the_config_into_streaming(method):
+    """A copy that streams (a job's ``eviction: auto`` past the context) ranks by the streaming ranking."""
+    import dataclasses
+
+    from velox_cache import KVCacheFactory
+
+    named = KVCacheConfig(method=method, budget=128, kernel=1, lookahead=16, stream_headroom=2)
+    streamed = KVCacheFactory.create(dataclasses.replace(named, eviction="streaming"))
+    assert (streamed.eviction, streamed.selector.pooling, streamed.lookahead) == ("streaming", 31, 0)
+    chosen = dataclasses.replace(named, stream_kernel=15, stream_lookahead=4, eviction="streaming")
+    assert (KVCacheFactory.create(chosen).selector.pooling, KVCacheFactory.create(chosen).lookahead) == (15, 4)
+    back = KVCacheFactory.create(dataclasses.replace(named, eviction="prefill_end"))
+    assert (back.selector.pooling, back.lookahead) == (1, 16)
+
+
+def test_a_config_that_streams_and_names_a_ranking_streams_with_it():
+    from velox_cache import KVCacheFactory
+
+    config = KVCacheConfig(method="pyramidkv", budget=64, eviction="streaming", kernel=7, lookahead=4)
+    assert (config.stream_kernel, config.stream_lookahead) == (7, 4)
+    cache = KVCacheFactory.create(config)
+    assert (cache.selector.pooling, cache.lookahead) == (7, 4)
+
+
+@pytest.mark.parametrize("method", ["full", "h2o", "tova", "streaming"])
+def test_policies_that_rank_by_no_window_get_no_look_ahead(method):
+    config = KVCacheConfig(method=method, budget=64)
+    assert config.lookahead == 0 and config.stream_lookahead == 0
+    assert KVCacheConfig(method="h2o", budget=64, eviction="prefill_end", selection="window").lookahead == 16
+    assert KVCacheConfig(method="squeeze", budget=64, selection="reconstruction").lookahead == 0

@@ -45,3 +45,19 @@ def test_a_duplicate_or_unknown_method_is_refused():
         registry.register(Unknown)
     with pytest.raises(ValueError, match="no policy class registered for full"):
         registry.check_complete()
+
+
+def test_a_policy_whose_timing_differs_from_the_configs_defaults_is_refused():
+    """The config fills its ranking's defaults by each method's timing (``DEFAULT_TIMINGS``): they must agree."""
+    from velox_cache.config import DEFAULT_TIMINGS
+
+    class Eager(H2OCache):
+        method = "h2o"
+        default_eviction = "prefill_end"
+        default_selection = "window"
+
+    with pytest.raises(ValueError, match="DEFAULT_TIMINGS"):
+        PolicyRegistry(METHODS, DEFAULT_TIMINGS).register(Eager)
+    for method, policy in POLICIES.items():
+        declared = (getattr(policy, "default_eviction", "continuous"), getattr(policy, "default_selection", "cumulative"))
+        assert declared == DEFAULT_TIMINGS[method]

@@ -77,11 +77,12 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
         choices = PolicyChoices.resolve(type(self), config)
         self.eviction, self.prefill_selection, self.mass_weight = choices.eviction, choices.selection, choices.mass_weight
         self.head_budgets = choices.head_budgets
+        self.lookahead = choices.lookahead  # tokens drafted when the prompt ends (the timing's own)
         self.allocation = self.allocator(config, layer_id, coordinator)
         self.slots = TokenSlots(self.signal, config.n_sink, config.recent_window)
         self.timing = make_timing(self.eviction, self.prefill_selection)
-        self.selector = WindowSelector(config.window, config.kernel)
-        if config.lookahead and not self.timing.ranks_by_window:
+        self.selector = WindowSelector(config.window, choices.kernel)
+        if self.lookahead and not self.timing.ranks_by_window:
             raise ConfigError(
                 f"lookahead: drafted tokens join the window that ranks the prompt; {self.method} with eviction "
                 f"{self.eviction!r} and selection {self.prefill_selection!r} ranks by no window "
@@ -177,13 +178,13 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
 
         A look-ahead's queries join the window that ranks the held tokens when
         prefill ends (``velox_cache.cache.phases.look_ahead``); the window widens
-        by ``config.lookahead`` to hold them beside the prompt's own. A
+        by ``lookahead`` to hold them beside the prompt's own. A
         reconstruction's attention peaks are kept for that ranking
         (``velox_cache.cache.phases.reconstruction``).
         """
         self.progress.start_probe(ProbeMark.of(self.slots), kind)
         if kind == LOOK_AHEAD and self.timing.ranks_by_window:
-            self.selector.widen(self.config.lookahead)
+            self.selector.widen(self.lookahead)
 
     @property
     def reconstructs(self) -> bool:

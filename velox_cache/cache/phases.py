@@ -216,8 +216,17 @@ def wants_probe(caches: Iterable) -> bool:
 
 
 def look_ahead_steps(caches: Iterable) -> int:
-    """How many tokens to draft at the end of prefill: the most any cache's config asks for (``lookahead``)."""
-    return max((getattr(getattr(c, "config", None), "lookahead", 0) or 0 for c in leaves(caches)), default=0)
+    """How many tokens to draft at the end of prefill: the most any cache asks for (its timing's ``lookahead``).
+
+    None (0) where a cache of the stack could not drop the drafted tokens again: a layer Velox
+    leaves alone that is not a plain growing ``KVCache`` (sliding-window ``RotatingKVCache``, whose
+    buffer may wrap; state-space ``ArraysCache``). The look-ahead is off on such a model, as under
+    plain ``mlx_lm.generate``, and an open ``kernel`` pools as it does without a draft.
+    """
+    stack = leaves(caches)
+    if not all(knows_phases(c) or (_trimmable(c) and getattr(c, "max_size", None) is None) for c in stack):
+        return 0
+    return max((getattr(c, "lookahead", 0) or 0 for c in stack), default=0)
 
 
 @contextlib.contextmanager

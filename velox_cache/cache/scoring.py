@@ -233,7 +233,7 @@ class LayerScoring:
         """How many of a call's ``n_queries`` (its first ones) the window remembers.
 
         Every one of a prompt call's (the window keeps the latest); of a look-ahead's,
-        those among the first ``config.lookahead`` drafted tokens (a shared reading
+        those among the first ``lookahead`` drafted tokens (a shared reading
         drafts as many as its most demanding config asks for); none otherwise.
         """
         progress = self.progress
@@ -241,7 +241,7 @@ class LayerScoring:
             return 0
         if progress.looking_ahead:
             drafted_before = self.offset - n_queries - progress.probe.offset
-            return max(0, min(n_queries, self.config.lookahead - drafted_before))
+            return max(0, min(n_queries, self.lookahead - drafted_before))
         return n_queries if progress.in_prefill_chunk else 0
 
     def _remember_window(self, queries: mx.array) -> None:

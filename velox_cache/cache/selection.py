@@ -23,6 +23,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from ..config import LOOKAHEAD_KERNEL, POOLED_KERNEL
 from ..kernels import attention
 from ..kernels.attend import attend_and_score
 from .signals import fold_heads
@@ -36,9 +37,9 @@ def pooled_mass(probs: mx.array, kernel: int) -> mx.array:
 class WindowSelector:
     """Remembers the latest ``window`` queries (or proxy keys) and ranks held keys by their pooled attention."""
 
-    def __init__(self, window: int, kernel: int):
+    def __init__(self, window: int, kernel: Optional[int]):
         self.window = window
-        self.kernel = kernel
+        self.kernel = kernel  # None: ``pooling`` decides by whether a draft joined the window
         self.extra = 0  # rows kept beyond ``window``: a look-ahead's drafted queries (``widen``)
         self.peak: Optional[mx.array] = None  # [B, H, N]: a reconstruction's largest attention per key (KVzip)
         self.queries: Optional[mx.array] = None  # [B, H*R, W, D]
@@ -52,6 +53,13 @@ class WindowSelector:
     @property
     def ready(self) -> bool:
         return self.queries is not None or self.mass is not None
+
+    @property
+    def pooling(self) -> int:
+        """The kernel that pools the ranking: ``kernel``, or where open 1 once a look-ahead widened the window, else 31."""
+        if self.kernel is not None:
+            return self.kernel
+        return LOOKAHEAD_KERNEL if self.extra else POOLED_KERNEL
 
     @property
     def rows(self) -> int:
@@ -136,10 +144,10 @@ class WindowSelector:
         """
         pool = attention.max_pool if slots is None else slots.pool
         if self.peak is not None:
-            return pool(self._peaks(keys, key_positions, scale), self.kernel)
+            return pool(self._peaks(keys, key_positions, scale), self.pooling)
         if self.mass is not None:
             mass = _pad_keys(self.mass, keys.shape[2])[..., : keys.shape[2]]
-            return pool(mass.sum(axis=2), self.kernel)
+            return pool(mass.sum(axis=2), self.pooling)
         n_q_heads, n_queries = self.queries.shape[1], self.queries.shape[2]
         visible = self._visible(keys, key_positions)
         heads_see = None if slots is None else slots.heads_see(n_q_heads)
@@ -148,7 +156,7 @@ class WindowSelector:
         scale = keys.shape[-1] ** -0.5 if scale is None else scale
         # as the window's own attention is computed: Velox's kernel where it runs, else a precise softmax
         mass = attend_and_score(self.queries, keys, None, scale=scale, mask=visible, score_rows=n_queries).key_mass
-        return pool(mass, self.kernel)
+        return pool(mass, self.pooling)
 
     def _visible(self, keys: mx.array, key_positions: mx.array) -> mx.array:
         """``[B, H*R, W, N]``: which of ``keys`` (at ``key_positions`` ``[B, H, N]``) each remembered query sees."""
@@ -177,7 +185,7 @@ class WindowSelector:
         ``slots``: the ``TokenSlots`` the keys are in (they pool by head where heads share one buffer).
         """
         pool = attention.max_pool if slots is None else slots.pool
-        return pool(key_mass[..., :n_keys], self.kernel)
+        return pool(key_mass[..., :n_keys], self.pooling)
 
 
 def blend_with_mass(ranking: mx.array, mass: mx.array, weight: float) -> mx.array:

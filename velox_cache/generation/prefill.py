@@ -86,7 +86,7 @@ def prefill_phases(
     drafted greedily after the prompt (``draft``; ``stop_tokens`` end the draft
     early), then fed again in one call whose queries join the window that
     ranks the prompt when prefill ends (``look_ahead``), and dropped.
-    ``after_call`` then sees ``"look_ahead"``. ``drafts_after=False`` leaves
+    ``after_call`` sees ``"draft"`` when the draft is made, then ``"look_ahead"``. ``drafts_after=False`` leaves
     that to the caller (a shared reading feeds the full variant's own output).
     Where a cache ranks by ``reconstruction`` (KVzip), the document is then
     re-read piece by piece (``reconstruct``), each piece after ``repeat`` (the
@@ -129,7 +129,9 @@ def prefill_phases(
     if drafts:
         if not instruction:
             positions.make_room(drafts)
-        look_ahead(model, caches, draft(model, caches, logits, drafts, stop_tokens=stop_tokens))
+        drafted = draft(model, caches, logits, drafts, stop_tokens=stop_tokens)
+        notify("draft", caches)
+        look_ahead(model, caches, drafted)
         notify("look_ahead", caches)
     if phases.reconstructs(caches):
         reconstruct(model, caches, list(document) or body, repeat, chunk_size, positions.context,

@@ -10,7 +10,7 @@ Layer: above ``cache/``, ``budgets/`` and ``kernels/``, below ``builder.py``;
 imports only from those three and ``config.py``.
 """
 
-from ..config import METHODS
+from ..config import DEFAULT_TIMINGS, METHODS
 from .full import FullKVCache
 from .h2o import H2OCache
 from .pyramidkv import PyramidKVCache
@@ -20,7 +20,7 @@ from .squeeze import SqueezeAttentionCache
 from .streaming import StreamingLLMCache
 from .tova import TOVACache
 
-POLICIES = PolicyRegistry(METHODS)
+POLICIES = PolicyRegistry(METHODS, DEFAULT_TIMINGS)
 for _policy in (FullKVCache, H2OCache, TOVACache, SnapKVCache, StreamingLLMCache, PyramidKVCache, SqueezeAttentionCache):
     POLICIES.register(_policy)
 POLICIES.check_complete()

@@ -10,11 +10,15 @@ class PolicyRegistry(dict):
     class such as ``EvictingKVCache`` is not a policy), a name that is not one of
     ``methods`` (``velox_cache.config.METHODS``: a config could never ask for it)
     and a name already registered (it would silently replace another policy).
+    With ``timings`` (``velox_cache.config.DEFAULT_TIMINGS``), it also refuses a policy whose
+    ``default_eviction`` and ``default_selection`` are not the ones the config fills its
+    ranking's defaults by.
     """
 
-    def __init__(self, methods: tuple):
+    def __init__(self, methods: tuple, timings: dict | None = None):
         super().__init__()
         self.methods = tuple(methods)
+        self.timings = dict(timings or {})
 
     def register(self, policy: type) -> type:
         """Add ``policy`` under its ``method``; returns it, so it also works as a class decorator."""
@@ -25,6 +29,12 @@ class PolicyRegistry(dict):
             raise ValueError(f"{policy.__name__}: method {method!r} is not in velox_cache.config.METHODS {self.methods}")
         if method in self:
             raise ValueError(f"{policy.__name__}: method {method!r} is already {self[method].__name__}")
+        declared = (getattr(policy, "default_eviction", None), getattr(policy, "default_selection", None))
+        if method in self.timings and declared != (None, None) and declared != tuple(self.timings[method]):
+            raise ValueError(
+                f"{policy.__name__}: default eviction and selection {declared} differ from "
+                f"velox_cache.config.DEFAULT_TIMINGS[{method!r}] {tuple(self.timings[method])}"
+            )
         self[method] = policy
         return policy
 

@@ -32,7 +32,7 @@ def test_a_one_token_last_chunk_does_not_end_prefill_early(tiny_model, method):
     prompt = tokenizer.encode("Told phases keep the last token in the prompt. " * 3)
     chunk = 32
     prompt = prompt[: 3 * chunk + 1]  # the last chunk is one token long
-    config = KVCacheConfig(method=method, budget=40, scoring="key_proxy")
+    config = KVCacheConfig(method=method, budget=40, scoring="key_proxy", lookahead=0)  # chunks only, no draft
     told = KVCacheBuilder.for_model(model, config)
     assert _prefill(model, prompt, told, chunk) == ["document"] * 4, "the one-token chunk was a chunk"
     whole = KVCacheBuilder.for_model(model, config)
@@ -49,7 +49,7 @@ def test_a_one_token_last_chunk_does_not_end_prefill_early(tiny_model, method):
 def test_prefill_step_size_one_keeps_window_selection(tiny_model, method):
     model, tokenizer = tiny_model
     prompt = tokenizer.encode("One token at a time is still a prompt. " * 2)
-    config = KVCacheConfig(method=method, budget=24, scoring="key_proxy")
+    config = KVCacheConfig(method=method, budget=24, scoring="key_proxy", lookahead=0)  # chunks only, no draft
     stepwise = KVCacheBuilder.for_model(model, config)
     assert _prefill(model, prompt, stepwise, 1) == ["document"] * len(prompt)
     chunked = KVCacheBuilder.for_model(model, config)

@@ -68,7 +68,7 @@ def test_the_draft_is_the_full_caches_greedy_start_and_stops_before_a_stop_token
 def test_drafted_queries_change_what_the_selection_keeps_and_decoding_starts_at_the_prompts_end(tiny_model):
     model, tokenizer = tiny_model
     document, instruction = _prompt(tokenizer)
-    plain = KVCacheConfig(method="snapkv", budget=10, window=WINDOW, kernel=1)
+    plain = KVCacheConfig(method="snapkv", budget=10, window=WINDOW, kernel=1, lookahead=0)
     ahead = KVCacheConfig(method="snapkv", budget=10, window=WINDOW, kernel=1, lookahead=6)
     kept = {}
     for config in (plain, ahead):
@@ -80,8 +80,40 @@ def test_drafted_queries_change_what_the_selection_keeps_and_decoding_starts_at_
 
 def test_a_stack_without_lookahead_drafts_nothing(tiny_model):
     model, tokenizer = tiny_model
-    _, _, events = _prefill(model, KVCacheConfig(method="snapkv", budget=12), *_prompt(tokenizer))
+    _, _, events = _prefill(model, KVCacheConfig(method="snapkv", budget=12, lookahead=0), *_prompt(tokenizer))
     assert "look_ahead" not in events
+    _, _, events = _prefill(model, KVCacheConfig(method="snapkv", budget=12, eviction="streaming"), *_prompt(tokenizer))
+    assert "look_ahead" not in events, "streaming drafts nothing by default"
+
+
+def test_the_default_look_ahead_drafts_at_prefill_end(tiny_model):
+    model, tokenizer = tiny_model
+    document, instruction = _prompt(tokenizer)
+    caches, _, events = _prefill(model, KVCacheConfig(method="pyramidkv", budget=12, window=WINDOW), document,
+                                 instruction, tell_decode=False)
+    assert events[-1] == "look_ahead"
+    length = len(document) + len(instruction)
+    assert all(c.selector.positions.tolist() == list(range(length - WINDOW, length + 16)) for c in caches)
+    assert all(c.selector.pooling == 1 for c in caches), "with the draft in the window: token by token"
+
+
+def test_under_mlx_lm_generate_the_default_look_ahead_stays_off(tiny_model):
+    """Nothing drafts when no phases are told: the window holds the prompt's queries alone, as with lookahead 0."""
+    import mlx_lm
+
+    model, tokenizer = tiny_model
+    prompt = tokenizer.encode("Drafted tokens show what the answer will read in the document. " * 6)
+    outputs, windows = [], []
+    for lookahead in (None, 0):
+        config = KVCacheConfig(method="pyramidkv", budget=12, window=WINDOW, lookahead=lookahead)
+        caches = KVCacheBuilder.for_model(model, config)
+        with attention_routing(model, [config]):
+            outputs.append(mlx_lm.generate(model, tokenizer, prompt, max_tokens=6, prompt_cache=caches,
+                                           prefill_step_size=16))
+        windows.append([c.slots.held_positions().tolist() for c in caches])
+        assert caches[0].lookahead == (16 if lookahead is None else 0)
+        assert caches[0].selector.kernel is None and caches[0].selector.extra == 0  # pooled over 31: no draft
+    assert outputs[0] == outputs[1] and windows[0] == windows[1]
 
 
 @pytest.mark.parametrize("fields", [{"method": "h2o", "eviction": "prefill_end"}, {"method": "tova"}])
@@ -93,3 +125,15 @@ def test_lookahead_without_a_window_ranking_is_refused_naming_the_field(fields):
 def test_a_negative_lookahead_is_refused():
     with pytest.raises(ConfigError, match="lookahead"):
         KVCacheConfig(method="snapkv", lookahead=-1)
+
+
+def test_no_look_ahead_where_a_layer_velox_leaves_alone_cannot_drop_the_draft():
+    """Sliding-window or state-space layers cannot give drafted tokens back: the default look-ahead stays off."""
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    from velox_cache.cache import phases
+
+    velox = KVCacheFactory.create(KVCacheConfig(method="pyramidkv", budget=16))
+    assert phases.look_ahead_steps([KVCache(), velox]) == 16
+    assert phases.look_ahead_steps([RotatingKVCache(max_size=8), velox]) == 0
+    assert phases.look_ahead_steps([ArraysCache(2), velox]) == 0

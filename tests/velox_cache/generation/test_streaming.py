@@ -123,7 +123,8 @@ def test_headroom_widens_what_probes_keep_and_the_instruction_brings_it_back_to_
 def test_headroom_over_the_whole_document_is_selection_at_prefill_end(tiny_model, parts):
     model, _ = tiny_model
     n_prompt = sum(len(p) for p in parts.values())
-    at_end = KVCacheConfig(method="pyramidkv", budget=24, eviction="prefill_end", scoring="observed")
+    # the same ranking both ways: the prompt's window pooled over 31, no draft (streaming's defaults)
+    at_end = KVCacheConfig(method="pyramidkv", budget=24, eviction="prefill_end", scoring="observed", lookahead=0)
     streaming = KVCacheConfig(
         method="pyramidkv", budget=24, eviction="streaming", scoring="observed", stream_headroom=n_prompt / 8
     )
