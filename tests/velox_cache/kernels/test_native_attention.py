@@ -92,9 +92,11 @@ def _reference(queries, keys, values, scale, mask, score_rows, entropy_rows):
     elif mask is not None:
         m = np.array(mask)
         scores = np.where(m, scores, -np.inf) if m.dtype == bool else scores + m.astype(np.float64)
-    scores = scores - scores.max(-1, keepdims=True)
-    probs = np.exp(scores)
-    probs /= probs.sum(-1, keepdims=True)
+    row_max = scores.max(-1, keepdims=True)  # NaN where a score is NaN: the row's probabilities are NaN
+    empty = row_max == -np.inf  # a row that sees no key weighs nothing: output 0, no mass, no entropy
+    probs = np.exp(scores - np.where(empty, 0.0, row_max))
+    with np.errstate(invalid="ignore"):
+        probs = np.where(empty, 0.0, probs / probs.sum(-1, keepdims=True))
     output = None if values is None else probs @ np.repeat(np.array(values, np.float64), group, axis=1)
     mass = None
     if score_rows:
@@ -103,7 +105,7 @@ def _reference(queries, keys, values, scale, mask, score_rows, entropy_rows):
     if entropy_rows:
         tail = probs[:, :, n_queries - entropy_rows :]
         with np.errstate(divide="ignore", invalid="ignore"):
-            rows = -np.where(tail > 0, tail * np.log(tail), 0.0).sum(-1)
+            rows = -np.where((tail > 0) | np.isnan(tail), tail * np.log(tail), 0.0).sum(-1)
         entropy = rows.sum() / math.log(n_keys)
     return output, mass, entropy
 
@@ -325,3 +327,166 @@ def test_pooled_slots_refuse_what_they_cannot_mean(change, message):
         native.ops().attention(mx.ones((1, 6, 1, 8)), keys, keys, None, scale=1.0, causal=change.get("causal", False),
                                key_heads=mx.zeros((change.get("key_heads", 20),), mx.int32),
                                n_heads=change.get("n_heads", 3))
+
+
+# ----- the same bits on every run (issue 41, item 7) -----------------------------------------------
+
+
+def _repeated_digests(repeats: int) -> list[str]:
+    """One digest per call of output, key mass and entropy, SmolLM2's shapes at real size, causal and pooled.
+
+    A 512-query chunk over 2,048 keys (9 query heads, 3 KV heads, head dim 64) with every row's mass and
+    entropy: several tasks per KV head, so several threads add to each key's mass; then pooled per-head
+    slots (a masked 256-query call over 2,048 slots), where tasks of one head share a row of the mass.
+    """
+    import hashlib
+
+    rng = np.random.default_rng(41)
+    queries = mx.array(rng.normal(size=(1, 9, 512, 64)).astype(np.float32) * 2)
+    keys = mx.array(rng.normal(size=(1, 3, 2048, 64)).astype(np.float32) * 2)
+    values = mx.array(rng.normal(size=(1, 3, 2048, 64)).astype(np.float32))
+    pooled_keys, pooled_values = keys.reshape(1, 1, -1, 64)[:, :, :2048], values.reshape(1, 1, -1, 64)[:, :, :2048]
+    key_heads = mx.array(rng.integers(0, 3, size=2048).astype(np.int32))
+    mask = mx.array(rng.uniform(size=(1, 1, 256, 2048)) > 0.2)
+    digests = []
+    for _ in range(repeats):
+        causal = native.ops().attention(queries, keys, values, None, scale=0.125, causal=True, score_rows=512,
+                                        entropy_rows=512)
+        pooled = native.ops().attention(queries[:, :, :256], pooled_keys, pooled_values, mask, scale=0.125,
+                                        score_rows=256, entropy_rows=64, key_heads=key_heads, n_heads=3)
+        digest = hashlib.sha256()
+        for array in (*causal, *pooled):
+            digest.update(np.array(array).tobytes())
+        digests.append(digest.hexdigest())
+    return digests
+
+
+def _digests_in(environment: dict, repeats: int) -> tuple[str, list[str]]:
+    probe = (
+        "import sys\n"
+        "from velox_cache.kernels import native\n"
+        "from tests.velox_cache.kernels.test_native_attention import _repeated_digests\n"
+        "print(native.ops().attention_instruction_set())\n"
+        "print(*_repeated_digests(int(sys.argv[1])))\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    result = subprocess.run([sys.executable, "-c", probe, str(repeats)], capture_output=True, text=True,
+                            env={**os.environ, **environment}, cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    instruction_set, *digests = result.stdout.split()
+    return instruction_set, digests
+
+
+@pytest.mark.parametrize("instruction_set", ["avx512", "avx2", "baseline"])
+def test_key_mass_and_entropy_are_the_same_bits_on_every_run_and_any_number_of_threads(instruction_set):
+    """Ten calls on four threads give one digest, and one thread gives the same (each ISA on its own)."""
+    chosen, on_four = _digests_in({"VELOX_NATIVE_ISA": instruction_set, "VELOX_ATTENTION_THREADS": "4"}, 10)
+    if chosen != instruction_set:
+        pytest.skip(f"this CPU runs {chosen}, not {instruction_set}")
+    assert len(set(on_four)) == 1, f"{len(set(on_four))} different results in 10 calls on 4 threads"
+    _, on_one = _digests_in({"VELOX_NATIVE_ISA": instruction_set, "VELOX_ATTENTION_THREADS": "1"}, 1)
+    assert on_one == on_four[:1], "one thread and four threads differ"
+
+
+# ----- NaN scores and rows that see no key (issue 41, item 8) ----------------------------------------
+
+# (batch, kv heads, group, queries, keys, head dim, what): few-rows tiles (decode) and many-rows tiles (chunks)
+SPECIAL_CASES = {
+    "decode-nan-key": (1, 2, 2, 1, 70, 16, "nan-key"),
+    "decode-group3-nan-key": (1, 2, 3, 1, 90, 16, "nan-key"),
+    "chunk-nan-key-causal": (1, 2, 3, 40, 150, 16, "nan-key"),  # queries 20.. see key 130
+    "chunk-nan-in-additive-mask": (1, 2, 3, 40, 150, 16, "nan-mask"),  # an unscored row's NaN stays in its row
+    "decode-masked-sequence": (2, 2, 3, 1, 90, 16, "empty-sequence"),  # a batch row that sees nothing
+    "decode-group2-masked-rows": (1, 2, 2, 1, 70, 16, "empty-rows"),
+    "chunk-masked-rows": (1, 2, 3, 40, 150, 16, "empty-rows"),  # scored and entropy rows among them
+    "pooled-head-without-slots": (1, 3, 3, 1, 100, 16, "empty-head"),
+    "pooled-chunk-head-without-slots": (1, 3, 3, 20, 100, 16, "empty-head"),
+}
+
+
+def _special_inputs(batch, kv_heads, group, n_queries, n_keys, dim, what):
+    """Inputs with a NaN score or rows that see no key, the rows they score, and pooled heads (or None)."""
+    queries, keys, values, _ = _inputs(batch, kv_heads, group, n_queries, n_keys, dim, None, seed=8)
+    rng = np.random.default_rng(8)
+    causal = np.arange(n_keys)[None] <= (n_keys - n_queries + np.arange(n_queries))[:, None]  # [S, N]
+    score_rows, entropy_rows, pooled = n_queries, min(4, n_queries), None
+    if what == "nan-key":
+        k = np.array(keys)
+        k[0, 0, n_keys - 20, 3] = np.nan
+        keys, mask = mx.array(k), "causal"
+    elif what == "nan-mask":
+        additive = np.broadcast_to(np.where(causal, 0.0, -np.inf), (1, kv_heads * group, n_queries, n_keys)).copy()
+        additive[0, group, 0, 2] = np.nan  # head 1's first query: output NaN, neither scored nor sampled
+        mask, score_rows = mx.array(additive.astype(np.float32)), n_queries - 1
+    elif what == "empty-sequence":
+        visible = np.broadcast_to(rng.uniform(size=(batch, 1, 1, n_keys)) > 0.3, (batch, 1, 1, n_keys)).copy()
+        visible[1] = False
+        mask = mx.array(visible)
+    elif what == "empty-rows":
+        visible = np.broadcast_to(causal & (rng.uniform(size=causal.shape) > 0.2), (1, kv_heads * group, n_queries,
+                                                                                   n_keys)).copy()
+        visible[0, 1, n_queries - 1] = False  # a scored and sampled row of KV head 0
+        visible[0, kv_heads * group - 1, :] = False  # every row of the last query head
+        visible[0, 0, 0] = False
+        mask = mx.array(visible)
+    else:  # "empty-head": pooled slots, none of them the last head's
+        keys, values = keys[:, :1], values[:, :1]
+        pooled = (mx.array(rng.integers(0, kv_heads - 1, size=n_keys).astype(np.int32)), kv_heads)
+        mask = None
+    return queries, keys, values, mask, score_rows, entropy_rows, pooled
+
+
+def _check_special_rows(case: str) -> None:
+    """The primitive against float64 and MLX's own attention on one of ``SPECIAL_CASES``."""
+    queries, keys, values, mask, score_rows, entropy_rows, pooled = _special_inputs(*SPECIAL_CASES[case])
+    key_heads, n_heads = pooled if pooled else (None, 0)
+    got = native.ops().attention(queries, keys, values, mask if isinstance(mask, mx.array) else None, scale=0.3,
+                                 causal=isinstance(mask, str), score_rows=score_rows, entropy_rows=entropy_rows,
+                                 key_heads=key_heads, n_heads=n_heads)
+    own = mask
+    if pooled:
+        own = velox_cache.kernels.masks.with_pooled_heads(None, key_heads, queries.shape[1], n_heads)
+        own = mx.broadcast_to(own, (queries.shape[0],) + own.shape[1:])
+    expected = _reference(queries, keys, values, 0.3, own, score_rows, entropy_rows)
+    got = [np.array(a, np.float64) for a in got]
+    for name, a, b in zip(("output", "key mass", "entropy"), got, expected):
+        assert np.array_equal(np.isnan(a), np.isnan(b)), f"{case}: {name} NaN where float64 is not, or not where it is"
+    # NaN rows exactly where MLX's own attention has them (with the keys repeated per group head)
+    group = queries.shape[1] // keys.shape[1]
+    mlx = mx.fast.scaled_dot_product_attention(queries, mx.repeat(keys, group, 1), mx.repeat(values, group, 1),
+                                               scale=0.3, mask=own)
+    assert np.array_equal(np.isnan(got[0]).any(-1), np.isnan(np.array(mlx)).any(-1)), f"{case}: NaN rows differ from MLX"
+    assert np.array_equal(np.isnan(got[0]).any(-1), np.isnan(got[0]).all(-1)), f"{case}: a NaN row is NaN throughout"
+    finite = [np.nan_to_num(a, nan=0.0) for a in got]
+    rows = queries.shape[0] * queries.shape[1] * entropy_rows
+    errors = _errors(finite, [np.nan_to_num(a, nan=0.0) for a in expected], values, rows)
+    assert max(errors) <= TOLERANCE, f"{case}: {errors}"
+    if not isinstance(mask, str) and (mask is None or mask.dtype == mx.bool_):  # no NaN in: none out
+        assert not any(np.isnan(a).any() for a in got), f"{case}: a row that sees no key made a NaN"
+
+
+@pytest.mark.parametrize("case", list(SPECIAL_CASES))
+def test_a_nan_score_is_nan_as_in_mlx_and_a_row_that_sees_no_key_weighs_nothing(case):
+    """A NaN score makes its row NaN (output, and its head's key mass and the entropy where scored), as MLX's
+    attention and softmax do; other rows stay exact. A row whose keys are all masked outputs 0 and adds
+    nothing to the key mass or the entropy (MLX's SDPA gives the values' mean under a boolean mask, NaN under
+    an additive -inf one; the MLX kernel NaN)."""
+    _check_special_rows(case)
+
+
+@pytest.mark.parametrize("instruction_set", ["avx2", "baseline"])
+def test_nan_scores_and_rows_that_see_no_key_on_every_instruction_set(instruction_set):
+    probe = (
+        "import sys\n"
+        "from velox_cache.kernels import native\n"
+        "from tests.velox_cache.kernels.test_native_attention import SPECIAL_CASES, _check_special_rows\n"
+        "print(native.ops().attention_instruction_set())\n"
+        "for case in SPECIAL_CASES:\n"
+        "    _check_special_rows(case)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=root,
+                            env={**os.environ, "VELOX_NATIVE_ISA": instruction_set})
+    assert result.returncode == 0, result.stderr[-2000:]
+    if result.stdout.split()[0] != instruction_set:
+        pytest.skip(f"this CPU runs {result.stdout.split()[0]}, not {instruction_set}")

@@ -4,7 +4,9 @@
 // keys or values; a lower-right aligned causal mask that skips the key blocks
 // a query block cannot see; an optional additive or boolean mask; the tasks
 // (batch, KV head, query block) shared by the cores, up to 8 threads unless
-// VELOX_ATTENTION_THREADS says otherwise (no BLAS). The tile loops are attention_loops.cpp, one set per instruction set.
+// VELOX_ATTENTION_THREADS says otherwise (no BLAS), each task summing into its
+// own place, added up in task order: the same bits on every run and for any
+// number of threads. The tile loops are attention_loops.cpp, one set per instruction set.
 //
 // Outputs, in this order and only those asked for: the attention output
 // [B, H*R, S, D]; each key's attention mass from the last `score_rows` queries,
@@ -124,33 +126,79 @@ class FlushDenormals {
 #endif
 };
 
-// Run every task on up to MAX_THREADS threads; the key mass goes to `key_mass` (zeroed), the entropy sum out.
+// Where each task adds its key mass ([N], zeroed): its (batch, head) row of the output when it is the only task
+// scoring that head's keys, else a partial row of its own, added to the output once every task has run (`add_partials`).
+// Pooled slots share one output row per batch, each head's tasks touching only their head's keys of it.
+struct MassPlaces {
+  std::vector<float*> rows;   // per task; null for a task that scores no row (or no key mass asked for)
+  std::vector<char> partial;  // per task: its row is a partial
+  std::vector<float> partials;  // [tasks with a partial, N]
+};
+
+float* output_row(const AttentionProblem& p, const AttentionTask& t, float* key_mass) {
+  return key_mass + (t.batch * p.kv_heads + (p.key_heads != nullptr ? 0 : t.head)) * p.n_keys;
+}
+
+MassPlaces mass_places(const AttentionProblem& p, const std::vector<AttentionTask>& tasks, float* key_mass) {
+  MassPlaces places{std::vector<float*>(tasks.size(), nullptr), std::vector<char>(tasks.size(), 0), {}};
+  if (key_mass == nullptr) return places;
+  const auto scores = [&](const AttentionTask& t) { return t.last_query > p.score_from; };
+  const auto head_of = [&](const AttentionTask& t) { return t.batch * p.task_heads + t.head; };
+  std::vector<int64_t> scoring(p.batch * p.task_heads, 0);
+  for (const auto& t : tasks) scoring[head_of(t)] += scores(t);
+  for (size_t i = 0; i < tasks.size(); ++i) places.partial[i] = scores(tasks[i]) && scoring[head_of(tasks[i])] > 1;
+  places.partials.assign(std::count(places.partial.begin(), places.partial.end(), 1) * p.n_keys, 0.0f);
+  float* next_partial = places.partials.data();
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    if (places.partial[i]) {
+      places.rows[i] = next_partial;
+      next_partial += p.n_keys;
+    } else if (scores(tasks[i])) {
+      places.rows[i] = output_row(p, tasks[i], key_mass);
+    }
+  }
+  return places;
+}
+
+// The partials added to their output rows in task order: each key's mass summed in one order, whatever thread ran what.
+void add_partials(const AttentionProblem& p, const std::vector<AttentionTask>& tasks, const MassPlaces& places,
+               float* key_mass) {
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    if (!places.partial[i]) continue;
+    float* row = output_row(p, tasks[i], key_mass);
+    const float* partial = places.rows[i];
+    for (int64_t j = 0; j < p.n_keys; ++j) row[j] += partial[j];
+  }
+}
+
+// Run every task on up to MAX_THREADS threads, claimed as they come; the key mass goes to `key_mass` (zeroed),
+// the entropy sum out. Each task sums into its own place and the places are added in task order: the results
+// are the same bits on every run and for any number of threads.
 double solve(const AttentionProblem& p, float* key_mass) {
   const int64_t first_scored = std::min(p.score_from, p.entropy_from);
   const auto tasks = tasks_of(p, p.values == nullptr ? first_scored : 0);
   const auto& loops = attention_loops();
   unsigned threads = std::min<unsigned>(thread_limit(), static_cast<unsigned>(std::max<size_t>(1, tasks.size())));
   if (flops_of(p, tasks) < MIN_PARALLEL_FLOPS) threads = 1;
-  const size_t mass_size = key_mass != nullptr ? p.batch * p.kv_heads * p.n_keys : 0;
-  std::vector<std::vector<float>> helper_mass(threads - 1, std::vector<float>(mass_size, 0.0f));
-  std::vector<ScoreSums> sums(threads);
-  sums[0] = {key_mass, 0.0};
-  for (unsigned i = 1; i < threads; ++i) sums[i] = {key_mass != nullptr ? helper_mass[i - 1].data() : nullptr, 0.0};
+  const MassPlaces places = mass_places(p, tasks, key_mass);
+  std::vector<double> entropy(tasks.size(), 0.0);
   std::atomic<size_t> next{0};
-  auto work = [&](unsigned thread) {
+  auto work = [&] {
     FlushDenormals flush;
-    for (size_t i = next++; i < tasks.size(); i = next++) loops.run_task(p, tasks[i], sums[thread]);
+    for (size_t i = next++; i < tasks.size(); i = next++) {
+      ScoreSums sums{places.rows[i], 0.0};
+      loops.run_task(p, tasks[i], sums);
+      entropy[i] = sums.entropy;
+    }
   };
   std::vector<std::thread> helpers;
-  for (unsigned i = 1; i < threads; ++i) helpers.emplace_back(work, i);
-  work(0);
+  for (unsigned i = 1; i < threads; ++i) helpers.emplace_back(work);
+  work();
   for (auto& helper : helpers) helper.join();
-  double entropy = sums[0].entropy;
-  for (unsigned i = 1; i < threads; ++i) {
-    entropy += sums[i].entropy;
-    for (size_t j = 0; j < mass_size; ++j) key_mass[j] += helper_mass[i - 1][j];
-  }
-  return entropy;
+  add_partials(p, tasks, places, key_mass);
+  double total = 0.0;
+  for (const double e : entropy) total += e;
+  return total;
 }
 
 // What one call asks for, beside its arrays.

@@ -34,10 +34,13 @@ struct AttentionTask {
   int64_t batch, head, first_query, last_query;
 };
 
-// What one thread's tasks add up in the scoring pass.
+// What one task adds up in the scoring pass. Each task has its own sums, added together in task order
+// afterwards (attention.cpp, `solve`): the same bits whichever thread ran it, and however many there were.
 struct ScoreSums {
-  float* key_mass;  // [B, H, N], zeroed before the first task; null when no key mass is asked for
-  double entropy;   // sum of row entropies (natural log, not yet divided by log N)
+  float* key_mass;  // [N], zeroed: where the task adds each key's mass (its (batch, head) row of the output when
+                    // no other task adds to that row's keys, else a partial row of its own); null when none is asked
+                    // for or none of its rows is scored
+  double entropy;   // sum of its rows' entropies (natural log, not yet divided by log N)
 };
 
 struct AttentionLoops {

@@ -17,7 +17,10 @@
 // broadcast). Keys and values are read in place, never packed or repeated per
 // group head. Rows whose attention is scored get a second pass over the same
 // key blocks with their final maximum and sum: exact probabilities, summed
-// into each key's mass, and each row's entropy.
+// into each key's mass, and each row's entropy. A row that sees no key (all
+// masked) weighs nothing: it outputs 0 and adds no mass and no entropy. A NaN
+// score makes its row NaN (output, and the mass and entropy it is summed into),
+// as MLX's attention does.
 
 #include <cmath>
 #include <cstring>
@@ -101,10 +104,21 @@ inline Floats fold_halves(Floats v, bool maximum) {
 }
 inline float lane_sum(Floats v) { return fold_halves(v, false)[0]; }
 inline float lane_max(Floats v) { return fold_halves(v, true)[0]; }
+// v on the lanes whose bits `lanes` sets, +0 on the others (whatever v holds there, NaN too).
+inline Floats only(Ints lanes, Floats v) {
+  Ints bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits &= lanes;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
 
 // exp(v) in float32, ~1 ulp (Cephes' range reduction and polynomial, as loops.cpp's
-// exp_float32); exactly 0 below -87.3 (so -inf, a masked key, gives 0, never NaN).
+// exp_float32); exactly 0 below -87.3 (so -inf, a masked key, gives 0, never NaN); NaN stays NaN
+// (a NaN score makes its row NaN, as MLX's softmax does, instead of a weight of exp(88)).
 inline Floats exp_vector(Floats v) {
+  const Floats x = v;
+  const Ints nan = v != v;
   const Ints underflow = v < splat(-87.3365447504019f);
   v = v < splat(88.0f) ? v : splat(88.0f);
   v = v > splat(-87.3365447504019f) ? v : splat(-87.3365447504019f);
@@ -123,7 +137,7 @@ inline Floats exp_vector(Floats v) {
   Floats scale;
   std::memcpy(&scale, &bits, sizeof scale);
   const Floats result = p * scale;
-  return underflow ? splat(0.0f) : result;
+  return nan ? x : (underflow ? splat(0.0f) : result);
 }
 
 // ---------------------------------------------------------------- micro-kernels
@@ -205,7 +219,7 @@ inline void values_tiles(int count, const float* value, int64_t value_stride, in
 
 struct Workspace {
   std::vector<float> qt, st, ot, row_max, row_sum, alpha, entropy, mass_weight;
-  std::vector<int32_t> position;
+  std::vector<int32_t> position, mass_lanes;
   std::vector<int64_t> mask_row;
   std::vector<int64_t> key_index;           // pooled slots: the task's head's keys, in slot order
   std::vector<float> own_keys, own_values;  // ... gathered contiguous for the many-rows tiles
@@ -276,6 +290,8 @@ class Task {
   const int64_t* row_index = nullptr;  // ... and row row_index[j] of keys/values (null once gathered)
 
   int64_t query_of(int64_t row) const { return t_.first_query + row / R; }
+  // 1 / a row's sum of weights, 0 for a row that sees no key (sum 0: it outputs 0, adds no mass), NaN for a NaN row.
+  static float weight_of(float row_sum) { return row_sum == 0.0f ? 0.0f : 1.0f / row_sum; }
   int64_t key_at(int64_t j) const { return index != nullptr ? index[j] : j; }
   const float* key_row(int64_t j) const { return keys + (row_index != nullptr ? row_index[j] : j) * key_stride; }
   const float* value_row(int64_t j) const {
@@ -401,7 +417,7 @@ class Task {
     for (int64_t m = 0; m < M; ++m) {
       const int64_t head = t_.head * R + m % R;
       float* out = p_.output + ((t_.batch * heads + head) * S + query_of(m)) * D;
-      const float inverse = 1.0f / w_.row_sum[m];
+      const float inverse = weight_of(w_.row_sum[m]);
       for (int64_t d = 0; d < D; ++d) out[d] = w_.ot[d * mp + m] * inverse;
     }
   }
@@ -412,10 +428,14 @@ class Task {
     const bool mass = p_.score_from < S && sums.key_mass != nullptr;
     const bool entropy = p_.entropy_from < S;
     w_.mass_weight.assign(mp, 0.0f);
+    w_.mass_lanes.assign(mp, 0);  // all bits set on a scored row's lane: other rows add exactly 0, even NaN rows
     w_.entropy.assign(mp, 0.0f);
     for (int64_t m = first_row; m < M; ++m)
-      if (query_of(m) >= p_.score_from) w_.mass_weight[m] = 1.0f / w_.row_sum[m];
-    float* key_mass = mass ? sums.key_mass + (t_.batch * p_.kv_heads + (index != nullptr ? 0 : t_.head)) * N : nullptr;
+      if (query_of(m) >= p_.score_from) {
+        w_.mass_weight[m] = weight_of(w_.row_sum[m]);
+        w_.mass_lanes[m] = -1;
+      }
+    float* key_mass = mass ? sums.key_mass : nullptr;
     float* st = w_.st.data();
     for (int64_t k0 = 0; k0 < key_end; k0 += KEY_BLOCK) {
       const int64_t n_block = std::min<int64_t>(KEY_BLOCK, key_end - k0);
@@ -436,13 +456,13 @@ class Task {
       for (int64_t j = 0; j < n_block; ++j) {
         Floats total = Floats{};
         for (int64_t m0 = first_row; m0 < mp; m0 += LANES)
-          total += load(st + j * mp + m0) * load(w_.mass_weight.data() + m0);
+          total += only(load_ints(w_.mass_lanes.data() + m0), load(st + j * mp + m0) * load(w_.mass_weight.data() + m0));
         key_mass[key_at(k0 + j)] += lane_sum(total);
       }
     }
     if (!entropy) return;
     for (int64_t m = first_row; m < M; ++m) {
-      if (query_of(m) < p_.entropy_from) continue;
+      if (query_of(m) < p_.entropy_from || w_.row_sum[m] == 0.0f) continue;  // a row that sees no key: no entropy
       const double row_sum = w_.row_sum[m];
       sums.entropy += std::log(row_sum) - w_.entropy[m] / row_sum;
     }
@@ -506,7 +526,7 @@ class Task {
       const int64_t heads = p_.task_heads * R;
       for (int m = 0; m < ROWS; ++m) {
         float* out = p_.output + ((t_.batch * heads + t_.head * R + m % R) * S + query_of(m)) * D;
-        const float inverse = 1.0f / row_sum[m];
+        const float inverse = weight_of(row_sum[m]);
         for (int64_t d = 0; d < D; ++d) out[d] = w_.ot[m * dp + d] * inverse;
       }
     }
@@ -617,16 +637,18 @@ class Task {
   void few_score(ScoreSums& sums, int64_t dp, const int64_t* position, const int64_t* mask_row,
                  const float* row_max, const float* row_sum) {
     bool scored = false, any = false;
+    bool row_scored[ROWS];
     float weight[ROWS];
     for (int m = 0; m < ROWS; ++m) {
-      weight[m] = query_of(m) >= p_.score_from ? 1.0f / row_sum[m] : 0.0f;
-      scored |= weight[m] != 0.0f;
+      row_scored[m] = query_of(m) >= p_.score_from;
+      weight[m] = row_scored[m] ? weight_of(row_sum[m]) : 0.0f;
+      scored |= row_scored[m];
       any |= query_of(m) >= std::min(p_.score_from, p_.entropy_from);
     }
     if (!any) return;
     const bool mass = scored && sums.key_mass != nullptr;
     const bool entropy = p_.entropy_from < S;
-    float* key_mass = mass ? sums.key_mass + (t_.batch * p_.kv_heads + (index != nullptr ? 0 : t_.head)) * N : nullptr;
+    float* key_mass = mass ? sums.key_mass : nullptr;
     Floats entropy_sum[ROWS];
     for (int m = 0; m < ROWS; ++m) entropy_sum[m] = Floats{};
     float* s = w_.st.data();
@@ -646,13 +668,13 @@ class Task {
       if (!mass) continue;
       for (int64_t j = 0; j < n_block; ++j) {
         float total = 0.0f;
-        for (int m = 0; m < ROWS; ++m) total += s[m * KEY_BLOCK + j] * weight[m];
+        for (int m = 0; m < ROWS; ++m) total += row_scored[m] ? s[m * KEY_BLOCK + j] * weight[m] : 0.0f;
         key_mass[key_at(k0 + j)] += total;
       }
     }
     if (!entropy) return;
     for (int m = 0; m < ROWS; ++m) {
-      if (query_of(m) < p_.entropy_from) continue;
+      if (query_of(m) < p_.entropy_from || row_sum[m] == 0.0f) continue;
       const double sum = row_sum[m];
       sums.entropy += std::log(sum) - lane_sum(entropy_sum[m]) / sum;
     }
