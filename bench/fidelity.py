@@ -119,7 +119,7 @@ def main(argv=None):
             results = {}
             if shared:
                 reading = read_shared(model, tokenizer, prompt, list(shared.values()), settings)
-                reading_seconds[choice] += reading.seconds
+                reading_seconds[choice] += reading.seconds + reading.look_ahead_seconds + (reading.draft_seconds or 0)
                 runs = [cut_shared(tokenizer, reading, config, settings) for config in shared.values()]
                 for run in runs:
                     run.refer_to(reference)
@@ -129,7 +129,8 @@ def main(argv=None):
                     results[key] = generate(model, tokenizer, prompt, config, settings, reference=reference)
             for key, result in results.items():
                 rows.setdefault(key, []).append((name, result.fidelity))
-                seconds[key] = seconds.get(key, 0.0) + result.prefill_seconds + result.decode_seconds
+                own = result.prefill_seconds - (result.reading_seconds or 0) + (result.draft_seconds or 0)
+                seconds[key] = seconds.get(key, 0.0) + own + result.decode_seconds  # a shared reading: below
         print(f"# {name}: {len(prompt.tokens)} prompt tokens, {len(reference.token_ids)} reference tokens", flush=True)
 
     print(f"\nFidelity to the full cache: {len(documents)} documents of {args.min_tokens}-{args.max_tokens} prompt "

@@ -7,22 +7,22 @@ exception: the other variants of the document still run.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
-from velox_cache.generation.reading import NotDerivable, derivable
+from velox_cache.generation.reading import NotDerivable, derivable, reading_recipe
 
 from . import model_store
 from .generation import (
     GenerationResult,
+    Reading,
     cut_shared,
     frontier_rows,
     generate_together,
     prefill_variant,
     read_shared,
 )
-from .plan import WorkItem
+from .plan import FrontierPoint, WorkItem
 from .platform import set_blas_threads
 from .reference import Reference
 
@@ -38,7 +38,18 @@ class VariantOutcome:
     result: Optional[GenerationResult] = None
     error: Optional[str] = None
     fidelity_note: Optional[str] = None
-    frontier: list = field(default_factory=list)  # the full variant's: one row per (compressed variant, budget)
+
+
+@dataclass
+class FrontierOutcome:
+    """One document's frontier points measured in this item (after its variants' outcomes).
+
+    ``points``: one dict per ``FrontierPoint`` of the item: its ``key``, ``status``
+    (``done``, ``skipped`` where the variant cannot be cut from one reading, ``error``),
+    ``note`` (why not done) and, when done, what ``generation.frontier_rows`` measured.
+    """
+
+    points: list = field(default_factory=list)
 
 
 NO_STORED_REFERENCE = "no full-cache output of this prompt: the full variant is not in this job, or not done yet"
@@ -63,18 +74,19 @@ class References:
         self._reference[item.index], self._missing[item.index] = None, f"the full variant failed: {error}"
 
 
-def execute(model, tokenizer, item: WorkItem) -> list[VariantOutcome]:
+def execute(model, tokenizer, item: WorkItem) -> list:
     """Run every variant due on ``item`` with a fresh cache stack each, in order (full first).
 
     Compressed variants are teacher-forced on the full cache's output: this item's
     full variant's when it is due here (none when it failed), else ``item.reference``;
     a streaming variant whose prompt differs (``item.streamed``) has no reference.
-    Each variant is prefilled by phases with its prompt's split.
+    Each variant is prefilled by phases with its prompt's split. One ``VariantOutcome``
+    per variant, then a ``FrontierOutcome`` when the item has frontier points due.
     """
     return execute_group(model, tokenizer, [item])[0]
 
 
-def execute_group(model, tokenizer, items: list[WorkItem]) -> list[list[VariantOutcome]]:
+def execute_group(model, tokenizer, items: list[WorkItem]) -> list[list]:
     """``execute`` for several documents at once, their variants decoding in batches; outcomes per item.
 
     Variant by variant (the full cache first, so that its outputs are the
@@ -82,6 +94,9 @@ def execute_group(model, tokenizer, items: list[WorkItem]) -> list[list[VariantO
     prefilled ones decode together: ``generation.decode_batch_size`` of them,
     fewer once their caches hold ``generation.decode_batch_memory_mb``. The
     outcomes are those ``execute`` gives each item alone (timings aside).
+    Frontier points are measured from the full variant's reading right after it
+    decoded, else (no full variant due, or it was redone alone) from a reading of
+    their own once the item's variants are done.
     """
     if not items:
         return []
@@ -90,6 +105,7 @@ def execute_group(model, tokenizer, items: list[WorkItem]) -> list[list[VariantO
     outcomes = {item.index: {} for item in items}
     references = References(items)
     readings = SharedReadings(model, tokenizer)
+    frontiers: dict[int, FrontierOutcome] = {}
     names = list(dict.fromkeys(variant.name for item in items for variant in item.variants))
     full = {variant.name for item in items for variant in item.variants if variant.cache.method == "full"}
     names.sort(key=lambda name: name not in full)  # the references first, whichever item comes first
@@ -103,10 +119,17 @@ def execute_group(model, tokenizer, items: list[WorkItem]) -> list[list[VariantO
             if prefilled is not None:
                 pending.append(prefilled)
             if len(pending) >= settings.decode_batch_size or sum(p.run.held_bytes for p in pending) >= cap:
-                _decode(model, tokenizer, pending, references, outcomes)
+                _decode(model, tokenizer, pending, references, outcomes, frontiers)
                 pending = []
-        _decode(model, tokenizer, pending, references, outcomes)
-    return [[outcomes[item.index][variant.name] for variant in item.variants] for item in items]
+        _decode(model, tokenizer, pending, references, outcomes, frontiers)
+    for item in items:
+        if item.frontier and item.index not in frontiers:
+            frontiers[item.index] = measure_frontier(model, tokenizer, item, references)
+    return [
+        [outcomes[item.index][variant.name] for variant in item.variants]
+        + ([frontiers[item.index]] if item.index in frontiers else [])
+        for item in items
+    ]
 
 
 @dataclass
@@ -124,7 +147,9 @@ class SharedReadings:
     prompt): read the first time one of them is due, then each variant's run cut when it is due.
 
     Variants with a ``lookahead`` are cut after the full variant decoded: its output is
-    their draft (``SharedReading.look_ahead``), so drafting costs one call, not a decode.
+    their draft (``Reading.feed_draft``), so drafting costs one call, not a decode, where
+    that output is the draft their own prefill makes (``output_is_draft``); otherwise the
+    reading drafts greedily itself.
     """
 
     def __init__(self, model, tokenizer):
@@ -135,19 +160,18 @@ class SharedReadings:
     def sharing(item: WorkItem) -> list:
         """The variants of ``item`` that read its bounded prompt and can share one reading.
 
-        None unless two can, or the full variant can and the job measures a frontier.
+        None unless two can, or the full variant can and the item measures a frontier.
         """
         found = [variant for variant in item.variants if derivable(variant.cache)]
         full = any(variant.cache.method == "full" for variant in found)
-        return found if len(found) > 1 or (full and frontier_points(item)) else []
+        return found if len(found) > 1 or (full and item.frontier) else []
 
     def take(self, item: WorkItem, variant, references: "References"):
         """``variant``'s run from ``item``'s shared reading (read now if it is the first); None when it has none.
 
-        Raises the reading's error, for each variant that shared it. The first run
-        (the full variant's, when there is one) carries the reading's seconds and,
-        where the job measures a frontier, the reading itself (``run.reading``);
-        a look-ahead's call counts to the first variant that needs it.
+        Raises the reading's error, for each variant that shared it. Each run's
+        ``prefill_seconds`` carries the reading (``cut_shared``); the full variant's run
+        carries the reading itself (``run.reading``) where the item measures a frontier.
         """
         if item.index not in self._readings:
             sharing = self.sharing(item)
@@ -164,27 +188,23 @@ class SharedReadings:
             raise entry.reading
         if entry.reading is None:
             return None
-        shared, ahead = entry.reading.shared, 0.0
-        if variant.cache.lookahead and not shared.looked_ahead:
+        if variant.cache.lookahead and not entry.reading.shared.looked_ahead:
             reference, _ = references.of(item)
             if reference is None:  # the full variant failed: no draft; this variant reads on its own
                 return None
-            start = time.perf_counter()
-            shared.look_ahead(reference.token_ids)
-            ahead = time.perf_counter() - start
-        first = variant.name == entry.first
-        run = cut_shared(self.tokenizer, entry.reading, variant.cache, item.generation, with_reading=first)
-        run.prefill_seconds += ahead
-        if first and entry.frontier:
-            run.reading = shared
+            entry.reading.feed_draft(reference.token_ids)
+        run = cut_shared(self.tokenizer, entry.reading, variant.cache, item.generation)
+        if entry.frontier and variant.cache.method == "full":
+            run.reading = entry.reading
         return run
 
     def _read(self, item: WorkItem, sharing: list) -> "_Reading":
         full_first = sharing[0].cache.method == "full"
-        also_read = [config for _, _, config in frontier_points(item)] if full_first else []
-        try:  # with the full variant, its own output is the look-ahead's draft: none drafted now
-            reading = read_shared(self.model, self.tokenizer, item.prompt, [v.cache for v in sharing] + also_read,
-                                  item.generation, draft=not full_first)
+        also_read = [point_config(point) for point in item.frontier if derivable(point.variant.cache)] if full_first else []
+        configs = [v.cache for v in sharing] + also_read
+        try:  # where the full variant's output is the draft, none is drafted now: it comes after decoding
+            reading = read_shared(self.model, self.tokenizer, item.prompt, configs, item.generation,
+                                  draft=not (full_first and output_is_draft(item.generation, configs)))
         except NotDerivable:  # e.g. a model with layers Velox leaves alone: each variant reads its own
             reading = None
         except Exception as exc:  # noqa: BLE001 - every variant of the reading fails with it
@@ -202,13 +222,64 @@ class _Reading:
     frontier: bool
 
 
-def frontier_points(item: WorkItem) -> list:
-    """``[(variant name, budget, config at that budget)]``: the frontier this item's reading measures."""
-    return [
-        (variant.name, budget, replace(variant.cache, budget=budget, resolved_budget=None))
-        for variant, budget in item.frontier
-        if derivable(variant.cache)
-    ]
+def output_is_draft(settings, configs) -> bool:
+    """True when the full variant's output is the draft each config's own prefill makes, token for token.
+
+    A config alone drafts its ``lookahead`` tokens greedily; the full variant's output
+    is the same tokens only under greedy decoding with no repetition penalty, and only
+    when it is long enough (``lookahead <= max_tokens``). Otherwise a shared reading
+    drafts greedily itself, so that nothing flatters a fidelity figure.
+    """
+    greedy = settings.temperature == 0 and settings.repetition_penalty in (None, 1, 1.0)
+    return greedy and all(config.lookahead <= settings.max_tokens for config in configs)
+
+
+def point_config(point: FrontierPoint):
+    """The config of a frontier point: its variant's cache at the point's budget."""
+    return replace(point.variant.cache, budget=point.budget, resolved_budget=None)
+
+
+def measure_frontier(model, tokenizer, item: WorkItem, references: References,
+                     reading: Optional[Reading] = None) -> FrontierOutcome:
+    """Every frontier point of ``item``: measured from ``reading`` (else a reading of its own), or why not.
+
+    A point whose variant cannot be cut from one reading (it evicts while reading) is
+    ``skipped`` with the reason; without a full-cache output to measure against, or when
+    measuring fails, each point is an ``error`` (measured again next run).
+    """
+    points, results = [], []
+    for point in item.frontier:
+        why = _not_derivable(point.variant.cache)
+        if why is None:
+            points.append(point)
+        else:
+            results.append({"key": point.key, "status": "skipped", "note": why})
+    reference, missing = references.of(item)
+    if points and reference is None:
+        return FrontierOutcome(results + [{"key": p.key, "status": "error", "note": missing} for p in points])
+    try:
+        if points:
+            configs = [point_config(point) for point in points]
+            if reading is None:
+                reading = read_shared(model, tokenizer, item.prompt, configs, item.generation,
+                                      draft=not output_is_draft(item.generation, configs))
+            measured = frontier_rows(model, reading, [(p.variant.name, p.budget, c) for p, c in zip(points, configs)],
+                                     reference, item.generation)
+            results += [{"key": p.key, "status": "done", **row} for p, row in zip(points, measured)]
+    except Exception as exc:  # noqa: BLE001 - the document's rows stand; the points say why, and are redone
+        note = f"{type(exc).__name__}: {exc}"
+        results = [r for r in results if r["status"] == "skipped"]
+        results += [{"key": p.key, "status": "error", "note": note} for p in points]
+    return FrontierOutcome(results)
+
+
+def _not_derivable(config) -> Optional[str]:
+    """Why ``config``'s stack cannot be cut from one reading (None: it can)."""
+    try:
+        reading_recipe(config)
+    except NotDerivable as exc:
+        return str(exc)
+    return None
 
 
 def _prefill(model, tokenizer, item, variant, references: References, outcomes,
@@ -233,8 +304,12 @@ def _prefill(model, tokenizer, item, variant, references: References, outcomes,
     return _Prefilled(item, variant, run, missing)
 
 
-def _decode(model, tokenizer, pending: list[_Prefilled], references: References, outcomes) -> None:
-    """Decode ``pending`` together; when that fails, each again alone (a fresh prefill), so one bad row fails alone."""
+def _decode(model, tokenizer, pending: list[_Prefilled], references: References, outcomes, frontiers: dict) -> None:
+    """Decode ``pending`` together; when that fails, each again alone (a fresh prefill), so one bad row fails alone.
+
+    A full variant that decoded with its item's reading measures the item's frontier
+    from it at once (into ``frontiers``), then lets the reading go.
+    """
     if not pending:
         return
     try:
@@ -248,7 +323,7 @@ def _decode(model, tokenizer, pending: list[_Prefilled], references: References,
         for item, variant in again:
             prefilled = _prefill(model, tokenizer, item, variant, references, outcomes)
             if prefilled is not None:
-                _decode(model, tokenizer, [prefilled], references, outcomes)
+                _decode(model, tokenizer, [prefilled], references, outcomes, frontiers)
         return
     for prefilled, result in zip(pending, results):
         item, variant = prefilled.item, prefilled.variant
@@ -256,15 +331,10 @@ def _decode(model, tokenizer, pending: list[_Prefilled], references: References,
         outcome = VariantOutcome(variant.name, result=result, fidelity_note=note)
         outcomes[item.index][variant.name] = outcome
         if variant.cache.method == "full":
-            reference = Reference.of_output(result.token_ids, result.logprobs)
-            references.made(item, reference)
-            if prefilled.run.reading is not None:
-                try:
-                    outcome.frontier = frontier_rows(model, prefilled.run, frontier_points(item), reference,
-                                                     item.generation)
-                except Exception as exc:  # noqa: BLE001 - the full output stands; the store says why no frontier
-                    prefilled.run.reading = None
-                    outcome.fidelity_note = f"frontier: {type(exc).__name__}: {exc}"
+            references.made(item, Reference.of_output(result.token_ids, result.logprobs))
+            reading, prefilled.run.reading = prefilled.run.reading, None
+            if reading is not None and item.frontier:
+                frontiers[item.index] = measure_frontier(model, tokenizer, item, references, reading)
 
 
 def _failed(item, variant, error: str, references: References, outcomes) -> None:
@@ -273,9 +343,11 @@ def _failed(item, variant, error: str, references: References, outcomes) -> None
         references.failed(item, error)
 
 
-def failed_outcomes(item: WorkItem, error: str) -> list[VariantOutcome]:
-    """Every variant of ``item`` failed with ``error`` (what a driver records when no worker could run it)."""
-    return [VariantOutcome(variant.name, error=error) for variant in item.variants]
+def failed_outcomes(item: WorkItem, error: str) -> list:
+    """Every variant of ``item`` failed with ``error`` (what a driver records when no worker could run it),
+    and so did its frontier points."""
+    frontier = [FrontierOutcome([{"key": p.key, "status": "error", "note": error} for p in item.frontier])]
+    return [VariantOutcome(variant.name, error=error) for variant in item.variants] + (frontier if item.frontier else [])
 
 
 @dataclass

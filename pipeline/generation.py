@@ -26,7 +26,7 @@ from velox_cache.generation.batching import BatchUnsupported
 from velox_cache.generation.decode import DecodeRow, decode_rows
 from velox_cache.generation.forcing import feed_together
 from velox_cache.generation.prefill import repeat_request
-from velox_cache.generation.reading import SharedReading
+from velox_cache.generation.reading import FULL, SharedReading, reading_recipe
 from velox_cache.generation.routing import attention_routing
 
 from .prompting import Prompt
@@ -64,7 +64,8 @@ class GenerationResult:
     logprobs: list[float] = field(default_factory=list)  # of each generated token, under this cache
     fidelity: Optional[Fidelity] = None
     decode_batch_size: int = 1  # the most sequences it decoded beside in one step, itself included
-    reading_seconds: Optional[float] = None  # the shared reading's seconds, when it was cut from one
+    reading_seconds: Optional[float] = None  # the part of prefill_seconds shared with other variants (one reading)
+    draft_seconds: Optional[float] = None  # drafting its look-ahead's tokens (None: none drafted for it)
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -89,13 +90,15 @@ class PrefilledVariant:
     row: DecodeRow
     config: KVCacheConfig
     prompt_tokens: int
-    prefill_seconds: float
+    prefill_seconds: float  # reading the prompt, the look-ahead's call and (cut from a reading) the cut; no draft
     prefill_peak_bytes: int  # its own prefill's peak above what the process held when it started
     first_logprobs: mx.array
     reference: Optional[Reference] = None
     prefill_end: Optional[list] = None  # a snapshot of the caches when prefill ended (for teacher forcing)
-    reading_seconds: Optional[float] = None  # the shared reading it was cut from (``prefill_shared``)
-    reading: Optional[SharedReading] = None  # kept for the frontier until ``frontier_rows`` is done with it
+    reading_seconds: Optional[float] = None  # the part of prefill_seconds shared with other variants (``read_shared``)
+    reading: Optional["Reading"] = None  # kept for the frontier until it is measured (``frontier_rows``)
+    draft_seconds: Optional[float] = None  # drafting the look-ahead's tokens, apart from prefill_seconds
+    layer_stats: list = field(default_factory=list)  # accounting of the caches when prefill ended
 
     def refer_to(self, reference: Optional[Reference]) -> None:
         """Teacher-force on ``reference`` after decoding (None: no fidelity; its snapshot is dropped)."""
@@ -107,7 +110,7 @@ class PrefilledVariant:
     def held_bytes(self) -> int:
         """Bytes of keys and values this variant's caches hold (and its snapshot, when kept)."""
         held = sum(getattr(cache, "nbytes", 0) for cache in self.row.caches)
-        return held * (2 if self.prefill_end is not None else 1) + (self.reading.nbytes if self.reading else 0)
+        return held * (2 if self.prefill_end is not None else 1) + (self.reading.shared.nbytes if self.reading else 0)
 
 
 def generate(
@@ -152,6 +155,7 @@ def prefill_variant(
     prompt_tokens = prompt.tokens
     caches = KVCacheBuilder.for_model(model, config, prompt_tokens=len(prompt_tokens), new_tokens=settings.max_tokens)
     sampler = TokenChoice(settings, prompt_tokens)
+    clock = _DraftClock()
     with OwnPeak() as peak, attention_routing(model, [config]):
         start = time.perf_counter()
         logits = prefill_phases(
@@ -164,9 +168,11 @@ def prefill_variant(
             max_new_tokens=settings.max_tokens,
             stop_tokens=frozenset(tokenizer.eos_token_ids),
             repeat=_repeat_for(tokenizer, [config]),
+            after_call=clock,
         )
         first_logprobs = sampler.logprobs(logits)
-        prefill_seconds = time.perf_counter() - start
+        mx.eval(first_logprobs)
+        prefill_seconds = time.perf_counter() - start - (clock.seconds or 0.0)
     row = DecodeRow(caches, sampler, first_logprobs, settings.max_tokens, frozenset(tokenizer.eos_token_ids))
     return PrefilledVariant(
         row,
@@ -177,17 +183,57 @@ def prefill_variant(
         first_logprobs=first_logprobs,
         reference=reference,
         prefill_end=snapshot(caches) if reference is not None else None,
+        draft_seconds=clock.seconds,
+        layer_stats=layer_rows(caches),
     )
+
+
+class _DraftClock:
+    """``prefill_phases``' ``after_call``: the seconds its look-ahead's draft took (``seconds``; None: no draft)."""
+
+    def __init__(self):
+        self.last = time.perf_counter()
+        self.seconds: Optional[float] = None
+
+    def __call__(self, event: str, caches) -> None:
+        now = time.perf_counter()
+        if event == "draft":
+            self.seconds = now - self.last
+        self.last = now
 
 
 @dataclass
 class Reading:
-    """One prompt read once (``read_shared``): the ``SharedReading``, its seconds and its own peak."""
+    """One prompt read once (``read_shared``): the ``SharedReading`` and what it cost.
+
+    ``seconds``: the forward pass over the prompt; ``look_ahead_seconds``: the call that fed
+    the draft (0 until fed; ``SharedReadings`` sets it when the full variant's output is the
+    draft); ``draft_seconds``: drafting, when the reading drafted (None: it did not).
+    ``peak_bytes``: the reading's own peak; ``held_bytes``: what each member held when it
+    ended (the full stack and each recording), which ``own_peak`` takes off for the others.
+    """
 
     shared: SharedReading
     prompt: Prompt
     seconds: float
     peak_bytes: int
+    held_bytes: dict = field(default_factory=dict)  # reading_recipe (None: the full stack) -> bytes held at the end
+    look_ahead_seconds: float = 0.0
+    draft_seconds: Optional[float] = None
+    draft_peak_bytes: int = 0  # drafting and feeding the draft: its peak above what the reading held then
+
+    def own_peak(self, config: KVCacheConfig) -> int:
+        """``config``'s own prefill peak: the reading's, less what it held for the other configs read
+        (and, for a config that looks ahead, its member plus the draft's peak, when the reading drafted)."""
+        own = self.held_bytes.get(reading_recipe(config), 0)
+        drafting = own + self.draft_peak_bytes if config.lookahead else 0
+        return max(own, drafting, self.peak_bytes - (sum(self.held_bytes.values()) - own))
+
+    def feed_draft(self, tokens) -> None:
+        """Feed the draft (``SharedReading.look_ahead``), timed in ``look_ahead_seconds``."""
+        start = time.perf_counter()
+        self.shared.look_ahead(tokens)
+        self.look_ahead_seconds = time.perf_counter() - start
 
 
 def read_shared(
@@ -196,7 +242,7 @@ def read_shared(
     """Read ``prompt`` once for ``configs`` (``SharedReading.prefill``); cut each run with ``cut_shared``.
 
     ``draft=False``: configs with a ``lookahead`` wait for their draft
-    (``Reading.shared.look_ahead``), the full variant's own output once decoded.
+    (``Reading.feed_draft``), the full variant's own output once decoded.
     Raises ``NotDerivable`` when the configs cannot share.
     """
     with OwnPeak() as peak:
@@ -204,22 +250,31 @@ def read_shared(
         reading = SharedReading.prefill(
             model, configs, prefix=prompt.prefix, document=prompt.document,
             instruction=prompt.instruction, chunk_size=settings.prefill_step_size, max_new_tokens=settings.max_tokens,
-            stop_tokens=frozenset(tokenizer.eos_token_ids), repeat=_repeat_for(tokenizer, configs), draft=draft,
+            stop_tokens=frozenset(tokenizer.eos_token_ids), repeat=_repeat_for(tokenizer, configs), draft=False,
         )
         mx.eval(reading.logits)
-        seconds = time.perf_counter() - start
-    return Reading(reading, prompt, seconds, peak.bytes)
+        result = Reading(reading, prompt, time.perf_counter() - start, 0)
+    result.peak_bytes = peak.bytes
+    result.held_bytes = {reading_recipe(config): reading.held_bytes(config) for config in [FULL, *configs]}
+    if draft and not reading.looked_ahead:
+        with OwnPeak() as drafting:
+            start = time.perf_counter()
+            tokens = reading.draft()
+            result.draft_seconds = time.perf_counter() - start
+            result.feed_draft(tokens)
+        result.draft_peak_bytes = drafting.bytes
+    return result
 
 
-def cut_shared(
-    tokenizer, reading: Reading, config: KVCacheConfig, settings: GenerationSpec, *, with_reading: bool = False
-) -> PrefilledVariant:
+def cut_shared(tokenizer, reading: Reading, config: KVCacheConfig, settings: GenerationSpec) -> PrefilledVariant:
     """``config``'s run cut from ``reading``: what ``prefill_variant`` gives it alone (tokens, caches, accounting).
 
-    ``prefill_seconds``: the time to cut its stack, plus the reading's when
-    ``with_reading`` (the full variant's, or the first config's); ``reading_seconds``:
-    the reading's. A compressed run keeps a snapshot for teacher forcing until
-    told its reference (``refer_to``).
+    ``prefill_seconds``: the reading's seconds, its look-ahead's call when ``config``
+    looks ahead, and the cut; ``reading_seconds``: the shared part of it (the reading
+    and the look-ahead); ``draft_seconds``: the reading's draft, when it drafted for
+    ``config``; ``prefill_peak_bytes``: the reading's peak less what it held for the
+    other configs (``Reading.own_peak``). A compressed run keeps a snapshot for
+    teacher forcing until told its reference (``refer_to``).
     """
     start = time.perf_counter()
     shared = reading.shared
@@ -227,17 +282,19 @@ def cut_shared(
     sampler = TokenChoice(settings, reading.prompt.tokens)
     first_logprobs = sampler.logprobs(shared.logits)
     mx.eval(first_logprobs)
-    seconds = time.perf_counter() - start + (reading.seconds if with_reading else 0.0)
+    common = reading.seconds + (reading.look_ahead_seconds if config.lookahead else 0.0)
     eos = frozenset(tokenizer.eos_token_ids)
     return PrefilledVariant(
         DecodeRow(caches, sampler, first_logprobs, settings.max_tokens, eos),
         config,
         prompt_tokens=len(reading.prompt.tokens),
-        prefill_seconds=seconds,
-        prefill_peak_bytes=reading.peak_bytes,
+        prefill_seconds=common + time.perf_counter() - start,
+        prefill_peak_bytes=reading.own_peak(config),
         first_logprobs=first_logprobs,
         prefill_end=None if config.method == "full" else snapshot(caches),
-        reading_seconds=reading.seconds,
+        reading_seconds=common,
+        draft_seconds=reading.draft_seconds if config.lookahead else None,
+        layer_stats=layer_rows(caches),
     )
 
 
@@ -247,57 +304,64 @@ def prefill_shared(
 ) -> list[PrefilledVariant]:
     """One ``PrefilledVariant`` per config, all cut from one reading of ``prompt`` now (``read_shared``, ``cut_shared``).
 
-    Seconds: the reading goes to the first config (the full variant, when there
-    is one). Look-ahead drafts come from the reading's full stack.
-    ``also_read``: configs to cut later (``frontier_rows``); the first run then keeps
-    the reading (``reading``) until it is done with.
+    Look-ahead drafts come from the reading's full stack. ``also_read``: configs to
+    cut later (``frontier_rows``); the first run then keeps the reading (``reading``)
+    until it is done with.
     """
     reading = read_shared(model, tokenizer, prompt, [*configs, *also_read], settings)
-    runs = [cut_shared(tokenizer, reading, config, settings, with_reading=index == 0) for index, config in enumerate(configs)]
+    runs = [cut_shared(tokenizer, reading, config, settings) for config in configs]
     if also_read:
-        runs[0].reading = reading.shared
+        runs[0].reading = reading
     return runs
 
 
-def frontier_rows(model, run: PrefilledVariant, points: list, reference: Reference, settings: GenerationSpec) -> list:
-    """The compression frontier of one document, from its reading (``run.reading``, then dropped).
+def frontier_rows(model, reading: Reading, points: list, reference: Reference, settings: GenerationSpec) -> list:
+    """The compression frontier of one document, from its ``reading`` (``read_shared``).
 
     ``points``: ``[(variant name, budget, config at that budget)]``. Each config's stack is
-    cut from the reading and teacher-forced on ``reference`` (all in one batched call, as
+    cut from the reading, its bytes taken there (when prefill ends, as a document row's),
+    then teacher-forced on ``reference`` (all in one batched call, as
     ``teacher_force_together``): one row per point with its agreement, NLL gap and bytes.
+    ``seconds``: the point's cut, and its share of the look-ahead's call (the full output
+    is the draft, where the reading has none yet) and of the forcing.
     """
-    reading, run.reading = run.reading, None
-    if not reading.looked_ahead:
-        reading.look_ahead(reference.token_ids)  # the full output is the draft
-    prompt_tokens = reading.prompt_tokens
-    stacks, cut_seconds = [], []
+    shared = reading.shared
+    ahead = 0.0
+    if not shared.looked_ahead:
+        start = time.perf_counter()
+        shared.look_ahead(reference.token_ids)  # the full output is the draft
+        ahead = time.perf_counter() - start
+    sampler = TokenChoice(settings, reading.prompt.tokens)
+    first_logprobs = sampler.logprobs(shared.logits)
+    stacks, layers, cut_seconds = [], [], []
     for _, _, config in points:
         start = time.perf_counter()
-        stacks.append(reading.derive(config))
+        stack = shared.derive(config)
         cut_seconds.append(time.perf_counter() - start)
-    del reading
-    choices = [TokenChoice(settings, run.row.sampler.prompt) for _ in points]
+        stacks.append(stack)
+        layers.append(layer_rows(stack))
+    del shared
+    choices = [TokenChoice(settings, reading.prompt.tokens) for _ in points]
     with attention_routing(model, [config for _, _, config in points]):
         fidelities = teacher_force_together(
-            model, [(stack, run.first_logprobs, reference, choice) for stack, choice in zip(stacks, choices)]
+            model, [(stack, first_logprobs, reference, choice) for stack, choice in zip(stacks, choices)]
         )
     rows = []
-    for (name, budget, config), stack, fidelity, cut in zip(points, stacks, fidelities, cut_seconds):
-        layers = [_layer_row(i, cache) for i, cache in enumerate(stack)]
-        kept = sum(row["kept_bytes"] for row in layers)
-        full = sum(row["full_seq_bytes"] for row in layers)
+    for (name, budget, config), rows_of_layers, fidelity, cut in zip(points, layers, fidelities, cut_seconds):
+        kept = sum(row["kept_bytes"] for row in rows_of_layers)
+        full = sum(row["full_seq_bytes"] for row in rows_of_layers)
         rows.append({
             "variant": name,
             "method": config.method,
             "budget": str(budget),
-            "prompt_tokens": prompt_tokens,
+            "prompt_tokens": len(reading.prompt.tokens),
             "kept_share": kept / full if full else None,  # of the prompt's keys and values, in bytes
             "kept_bytes": kept,
             "full_seq_bytes": full,
             "compression_ratio": full / kept if kept else None,
             "agreement_vs_full": fidelity.agreement,
             "nll_gap_vs_full": fidelity.nll_gap,
-            "seconds": cut + fidelity.seconds,
+            "seconds": cut + ahead / len(points) + fidelity.seconds,
         })
     return rows
 
@@ -382,12 +446,13 @@ def _finish(tokenizer, run: PrefilledVariant, weights: int, fidelity: Optional[F
         decode_seconds=row.decode_seconds,
         peak_memory_bytes=peak_memory(weights, run.prefill_peak_bytes, held),
         stop_reason=row.stop_reason,
-        layer_stats=[_layer_row(i, cache) for i, cache in enumerate(row.caches)],
+        layer_stats=run.layer_stats,
         token_ids=row.tokens,
         logprobs=row.token_logprobs,
         fidelity=fidelity,
         decode_batch_size=row.batch_size,
         reading_seconds=run.reading_seconds,
+        draft_seconds=run.draft_seconds,
     )
 
 
@@ -466,6 +531,11 @@ def prefill(model, prompt_tokens, caches, step: int) -> mx.array:
         model(prompt[None, begin : min(begin + step, prompt.size - 1)], cache=caches)
         mx.eval([c.state for c in caches])
     return model(prompt[None, -1:], cache=caches)[:, -1, :]
+
+
+def layer_rows(caches: list) -> list[dict]:
+    """The ``layer_stats`` rows of a cache stack as it is now (a row's are taken when prefill ends)."""
+    return [_layer_row(i, cache) for i, cache in enumerate(caches)]
 
 
 def _layer_row(layer: int, cache) -> dict:

@@ -11,12 +11,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from .plan import DocumentPlan, VariantPlan
-from .rows import document_row
+from .rows import document_row, frontier_rows
 from .similarity import rouge_l
 from .store import Store
 
 if TYPE_CHECKING:
-    from .execute import VariantOutcome
+    from .execute import FrontierOutcome, VariantOutcome
 
 
 def settle(store: Store, run_id: int, plan: DocumentPlan, entry: VariantPlan) -> str:
@@ -31,9 +31,9 @@ def settle(store: Store, run_id: int, plan: DocumentPlan, entry: VariantPlan) ->
 
 
 def save_outcomes(
-    store: Store, run_id: int, plan: DocumentPlan, outcomes: list[VariantOutcome]
+    store: Store, run_id: int, plan: DocumentPlan, outcomes: list[VariantOutcome | FrontierOutcome]
 ) -> dict[str, tuple[str, Optional[float]]]:
-    """Store one work item's executed variants, in order (the full cache first).
+    """Store one work item's executed variants, in order (the full cache first), then its frontier points.
 
     Returns ``{variant: ("done" | "failed", decode tokens/s or None)}``. A compressed
     variant gets its ROUGE-L against the full-cache output of the same prompt (and its
@@ -44,6 +44,9 @@ def save_outcomes(
     full_outputs = dict(plan.full_outputs)
     results = {}
     for outcome in outcomes:
+        if not hasattr(outcome, "variant"):  # the item's frontier points, after its variants
+            store.save_frontier(frontier_rows(plan, run_id, outcome.points))
+            continue
         entry = plan.entry(outcome.variant)
         prompt_hash = plan.prepared_for(entry.variant).prompt_hash
         if outcome.result is None:
@@ -62,7 +65,7 @@ def save_outcomes(
             plan, entry, run_id, status="done", result=result, rouge_l_vs_full=similarity,
             fidelity_note=outcome.fidelity_note,
         )
-        store.save_document(row, result.layer_stats, outcome.frontier)
+        store.save_document(row, result.layer_stats)
         if is_full:
             full_outputs[prompt_hash] = result.output
             for other_row, output in store.compressed_outputs(row["document_id"], prompt_hash, plan.settings_hash):

@@ -77,7 +77,7 @@ class WorkItem:
     document_start: int = 0
     document_end: Optional[int] = None
     streamed: Optional[Prompt] = None
-    frontier: list = field(default_factory=list)  # [(compressed Variant as it reads this prompt, budget)]
+    frontier: list = field(default_factory=list)  # [FrontierPoint] not measured yet under its key
 
     @property
     def prompt(self) -> Prompt:
@@ -89,6 +89,26 @@ class WorkItem:
         if self.streamed is not None and streams(variant):
             return self.streamed
         return self.prompt
+
+
+@dataclass
+class FrontierPoint:
+    """One compressed variant's policy at one budget on one document's prompt: one ``frontier`` row.
+
+    ``key`` names what produces it (the document, its prompt, the model and generation
+    settings, the variant's own settings and the budget): a point is measured when no
+    row of its key is stored as done or skipped.
+    """
+
+    variant: Variant  # as it reads this prompt
+    budget: object  # tokens, or a share of the prompt ("25%")
+    key: str
+
+
+def frontier_key(document_id: str, basis: str, settings_hash: str, variant: Variant, budget) -> str:
+    """What decides one frontier point: prompt tokens, model and generation, the variant's settings, the budget."""
+    raw = json.dumps([document_id, basis, settings_hash, variant_hash(variant), str(budget)])
+    return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
 @dataclass
@@ -196,22 +216,18 @@ def plan_document(
             entry = VariantPlan(variant, key, "due")
         plan.variants.append(entry)
     due = [entry.variant for entry in plan.variants if entry.state == "due"]
-    if due:
-        bounded_due = any(plan.prepared_for(variant) is prepared for variant in due)
+    frontier = _frontier_due(spec, store, plan, force)
+    if due or frontier:
+        bounded_due = not due or any(plan.prepared_for(variant) is prepared for variant in due)
         main = prepared if bounded_due else streamed
         other = streamed.prompt if bounded_due and streamed is not None and streamed.status == "ready" else None
         reference = None
-        for stored_hash, stored in _stored_full_results(store, plan, due).items():
+        for stored_hash, stored in _stored_full_results(store, plan, due, frontier).items():
             plan.full_outputs[stored_hash] = None if stored is None else stored["output"]
             if stored_hash == main.prompt_hash and stored is not None and stored["token_ids"] is not None:
                 reference = Reference(stored["token_ids"], stored["logprobs"])
-        fits = prepared.status == "ready"
-        frontier = [
-            (variant.for_document(fits), budget)
-            for variant in spec.variants
-            if variant.cache.method != "full" and main is prepared
-            for budget in spec.frontier.budgets
-        ]
+        if main is not prepared:
+            frontier = []
         plan.work = WorkItem(
             index, document.document_id, list(main.prompt.tokens), due, spec.generation, reference=reference,
             document_start=main.prompt.document_start, document_end=main.prompt.document_end, streamed=other,
@@ -220,13 +236,38 @@ def plan_document(
     return plan
 
 
-def _stored_full_results(store, plan: DocumentPlan, due: list[Variant]) -> dict[str, Optional[dict]]:
-    """The stored full-cache result of each prompt that compressed variants in ``due`` read
-    and no full variant in ``due`` reads: one store read per such prompt, so at most one per
+def _frontier_due(spec: JobSpec, store, plan: DocumentPlan, force: bool) -> list[FrontierPoint]:
+    """The frontier points of this document's bounded prompt not stored yet under their key (all with ``force``).
+
+    None where the prompt does not fit the context (no full-cache output to measure
+    against) or the job has no full variant.
+    """
+    prepared = plan.prepared
+    if not spec.frontier.budgets or prepared.status != "ready" or not any(v.cache.method == "full" for v in spec.variants):
+        return []
+    points = [
+        FrontierPoint(variant.for_document(True), budget,
+                      frontier_key(prepared.document.document_id, prepared.basis, plan.settings_hash,
+                                   variant.for_document(True), budget))
+        for variant in spec.variants
+        if variant.cache.method != "full"
+        for budget in spec.frontier.budgets
+    ]
+    settled = set() if force else store.settled_frontier([point.key for point in points])
+    return [point for point in points if point.key not in settled]
+
+
+def _stored_full_results(store, plan: DocumentPlan, due: list[Variant], frontier: list) -> dict[str, Optional[dict]]:
+    """The stored full-cache result of each prompt that compressed variants in ``due`` (or the ``frontier``)
+    read and no full variant in ``due`` reads: one store read per such prompt, so at most one per
     document unless streaming variants read a prompt of their own.
     """
     made_here = {plan.prepared_for(v).prompt_hash for v in due if v.cache.method == "full"}
     found: dict[str, Optional[dict]] = {}
+    if frontier and plan.prepared.prompt_hash not in made_here:
+        prepared = plan.prepared
+        found[prepared.prompt_hash] = store.full_reference(prepared.document.document_id, prepared.prompt_hash,
+                                                           plan.settings_hash)
     for variant in due:
         prompt_hash = plan.prepared_for(variant).prompt_hash
         if variant.cache.method != "full" and prompt_hash not in made_here and prompt_hash not in found:

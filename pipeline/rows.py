@@ -1,4 +1,5 @@
-"""The ``documents`` row of one document × variant: built here only, from the plan and the outcome.
+"""The ``documents`` row of one document × variant, and its ``frontier`` rows: built here only, from the plan
+and the outcome.
 
 The store writes the row it is given (adding only when it wrote it and that it is now
 the variant's latest row); ``pipeline.persist`` decides which row to write and when.
@@ -10,6 +11,7 @@ import json
 from typing import TYPE_CHECKING, Optional
 
 from .plan import DocumentPlan, PreparedDocument, VariantPlan
+from .store.migrations import ACCOUNTING
 from .reference import rounded_logprobs
 
 if TYPE_CHECKING:
@@ -68,6 +70,7 @@ def document_row(
         "output_tokens": result.output_tokens,
         "prefill_seconds": result.prefill_seconds,
         "reading_seconds": result.reading_seconds,
+        "draft_seconds": result.draft_seconds,
         "decode_seconds": result.decode_seconds,
         "decode_batch_size": result.decode_batch_size,
         "prefill_tokens_per_second": result.prefill_tokens_per_second,
@@ -82,4 +85,35 @@ def document_row(
         "output_token_ids": json.dumps(result.token_ids),
         "output_logprobs": json.dumps(rounded_logprobs(result.logprobs)),
         **result.totals(),
+        "accounting": ACCOUNTING,
     }
+
+
+def frontier_rows(plan: DocumentPlan, run_id: int, points: list[dict]) -> list[dict]:
+    """The ``frontier`` rows of ``plan``'s document: one per measured (or skipped, or failed) point.
+
+    ``points`` are ``execute.FrontierOutcome.points``: each names its ``FrontierPoint`` by key.
+    """
+    by_key = {point.key: point for point in plan.work.frontier}
+    prepared = plan.prepared
+    rows = []
+    for measured in points:
+        point = by_key[measured["key"]]
+        row = {
+            "frontier_key": point.key,
+            "run_id": run_id,
+            "document_id": prepared.document.document_id,
+            "prompt_hash": prepared.prompt_hash,
+            "settings_hash": plan.settings_hash,
+            "variant": point.variant.name,
+            "method": point.variant.cache.method,
+            "budget": str(point.budget),
+            "prompt_tokens": prepared.prompt_tokens,
+            "status": measured["status"],
+            "note": measured.get("note"),
+        }
+        if measured["status"] == "done":
+            figures = {k: v for k, v in measured.items() if k not in ("key", "status", "note", "variant", "method", "budget")}
+            row.update(figures, accounting=ACCOUNTING)
+        rows.append(row)
+    return rows

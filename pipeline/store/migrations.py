@@ -353,6 +353,121 @@ def m012_spare_bytes(db: sqlite_utils.Database) -> None:
     db["layer_stats"].add_column("spare_bytes", int)
 
 
+
+ACCOUNTING = "prefill_end"  # what new rows' byte columns measure: see m013_figures_that_mean_one_thing
+
+
+@migration
+def m013_figures_that_mean_one_thing(db: sqlite_utils.Database) -> None:
+    """Every figure means one thing, alone or shared (docs/store.md, "What each figure means").
+
+    - ``documents.draft_seconds``: drafting a look-ahead's tokens, apart from ``prefill_seconds`` (which is now
+      the reading, the look-ahead's call and the cut, whether the variant read alone or shared a reading;
+      ``reading_seconds`` is the shared part). ``run_summary.generation_seconds`` counts a shared reading once.
+    - ``accounting`` on ``documents``, ``layer_stats`` and ``frontier``: what the byte columns measure.
+      ``prefill_end`` (from here on): the held tokens when prefill ended, the same for frontier points;
+      ``decode_end``: held tokens after decoding (rows stored from m012 until here);
+      ``spare_counted``: before m012, when ``kept_bytes`` also counted buffer room. The views average
+      byte figures over ``prefill_end`` rows only.
+    - ``frontier``: keyed by what produced a row (``frontier_key``: document, prompt, settings, the variant's
+      settings and the budget), ``status`` (``done``; ``skipped`` where the variant cannot be cut from one
+      reading; ``error``, measured again next run) with a ``note``, and ``is_latest`` per document x variant
+      x budget. Rows from before carry no key: they are kept as history (``is_latest = 0``) and the next run
+      measures every point again.
+    """
+    documents, layers, frontier = db["documents"], db["layer_stats"], db["frontier"]
+    documents.add_column("draft_seconds", float)
+    for table in (documents, layers, frontier):
+        table.add_column("accounting", str)
+    db.execute("update documents set accounting = case when spare_bytes is null then 'spare_counted' "
+               "else 'decode_end' end where status = 'done'")
+    db.execute("update layer_stats set accounting = case when spare_bytes is null then 'spare_counted' "
+               "else 'decode_end' end")
+    frontier.add_column("frontier_key", str)
+    frontier.add_column("status", str)
+    frontier.add_column("note", str)
+    frontier.add_column("is_latest", int, not_null_default=0)
+    applied = db.execute("select applied_at from _velox_migrations where name = 'm012_spare_bytes'").fetchone()
+    db.execute(
+        "update frontier set status = 'done', accounting = case when created_at >= ? then 'decode_end' "
+        "else 'spare_counted' end",
+        [applied[0] if applied else ""],
+    )
+    frontier.create_index(["frontier_key"])
+    frontier.create_index(["document_id", "variant", "budget", "is_latest"])
+    db.create_view(
+        "run_summary",
+        """
+        select r.id as run_id, r.job_name, r.started_at, r.ended_at, r.status,
+               r.documents_done, r.documents_skipped, r.documents_failed, r.documents_unchanged,
+               count(d.id) as rows_written,
+               round(avg(d.prefill_tokens_per_second), 1) as mean_prefill_tps,
+               round(avg(d.decode_tokens_per_second), 1) as mean_decode_tps,
+               round(sum(d.prefill_seconds - coalesce(d.reading_seconds, 0) + d.decode_seconds
+                         + case when d.reading_seconds is null then coalesce(d.draft_seconds, 0) else 0 end)
+                     + coalesce((select sum(shared) from (
+                           select max(s.reading_seconds) + coalesce(max(s.draft_seconds), 0) as shared
+                           from documents s where s.run_id = r.id and s.status = 'done'
+                           and s.reading_seconds is not null group by s.document_id, s.prompt_hash)), 0), 1)
+                     as generation_seconds,
+               round(avg(d.agreement_vs_full), 3) as mean_agreement_vs_full,
+               round(avg(d.nll_gap_vs_full), 3) as mean_nll_gap_vs_full,
+               r.error
+        from runs r left join documents d on d.run_id = r.id and d.status = 'done'
+        group by r.id order by r.id desc
+        """,
+        replace=True,
+    )
+    db.create_view(
+        "method_summary",
+        f"""
+        select method, variant, budget, count(*) as documents,
+               round(avg(case when accounting = '{ACCOUNTING}' then compression_ratio end), 2)
+                     as mean_compression_ratio,
+               round(avg(agreement_vs_full), 3) as mean_agreement_vs_full,
+               round(min(agreement_vs_full), 3) as worst_agreement_vs_full,
+               round(avg(nll_gap_vs_full), 3) as mean_nll_gap_vs_full,
+               round(avg(rouge_l_vs_full), 3) as mean_rouge_l_vs_full,
+               round(avg(prefill_tokens_per_second), 1) as mean_prefill_tps,
+               round(avg(decode_tokens_per_second), 1) as mean_decode_tps,
+               round(avg(draft_seconds), 2) as mean_draft_seconds,
+               round(avg(peak_memory_bytes) / 1048576.0, 1) as mean_peak_mib
+        from documents where status = 'done' and is_latest = 1
+        group by method, variant, budget order by method, budget
+        """,
+        replace=True,
+    )
+    db.create_view(
+        "layer_summary",
+        f"""
+        select l.method, l.variant, l.layer, count(*) as documents,
+               round(avg(l.layer_budget), 1) as mean_budget,
+               round(avg(l.tokens_kept), 1) as mean_tokens_kept,
+               round(avg(case when l.accounting = '{ACCOUNTING}' then l.compression_ratio end), 2)
+                     as mean_compression_ratio,
+               round(avg(l.concentration), 3) as mean_concentration
+        from layer_stats l join documents d on d.id = l.document_row and d.is_latest = 1
+        group by l.method, l.variant, l.layer order by l.method, l.variant, l.layer
+        """,
+        replace=True,
+    )
+    db.create_view(
+        "frontier_summary",
+        f"""
+        select r.job_name, f.variant, f.method, f.budget, count(*) as documents,
+               round(sum(f.kept_bytes) * 1.0 / sum(f.full_seq_bytes), 4) as kept_share,
+               round(avg(f.kept_share), 4) as mean_kept_share,
+               round(avg(f.agreement_vs_full), 3) as mean_agreement_vs_full,
+               round(min(f.agreement_vs_full), 3) as worst_agreement_vs_full,
+               round(avg(f.nll_gap_vs_full), 3) as mean_nll_gap_vs_full,
+               round(avg(f.compression_ratio), 2) as mean_compression_ratio
+        from frontier f join runs r on r.id = f.run_id
+        where f.is_latest = 1 and f.status = 'done' and f.accounting = '{ACCOUNTING}'
+        group by r.job_name, f.variant, f.method, f.budget order by r.job_name, f.variant, kept_share
+        """,
+        replace=True,
+    )
+
 def migrate(db: sqlite_utils.Database, *, transaction: Optional[Callable] = None) -> list[str]:
     """Apply the migrations not yet recorded, each in one transaction; returns the names applied.
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from .base import SQLITE_CANTOPEN, SQLITE_READONLY, QueryError, primary_code
+from .migrations import ACCOUNTING
 
 _READ_ONLY_NOTE = (
     "{path} is opened immutable: SQLite cannot open it read-only here (its directory is not "
@@ -211,7 +212,7 @@ def report_layers(path, run_id: int) -> list[dict]:
 
 
 def report_frontier(path, job_name: str) -> list[dict]:
-    """The compression frontier of a job's latest full-variant rows: per variant and budget, the documents,
+    """The compression frontier of a job's latest points (``frontier_summary``): per variant and budget, the documents,
     the share of their prompts' bytes kept (all together, and the mean per document), mean and worst
     agreement, mean compression ratio (by share kept)."""
     if not _read_dicts(path, "select 1 from sqlite_master where type = 'table' and name = 'frontier'"):
@@ -222,10 +223,10 @@ def report_frontier(path, job_name: str) -> list[dict]:
         "sum(f.kept_bytes) * 1.0 / sum(f.full_seq_bytes) as kept_share, avg(f.kept_share) as mean_kept_share, "
         "avg(f.agreement_vs_full) as mean_agreement, min(f.agreement_vs_full) as worst_agreement, "
         "avg(f.compression_ratio) as mean_compression_ratio "
-        "from frontier f join documents d on d.doc_key = f.doc_key join runs r on r.id = d.run_id "
-        "where r.job_name = ? and d.is_latest = 1 "
+        "from frontier f join runs r on r.id = f.run_id "
+        "where r.job_name = ? and f.is_latest = 1 and f.status = 'done' and f.accounting = ? "
         "group by f.variant, f.method, f.budget order by f.variant, kept_share",
-        [job_name],
+        [job_name, ACCOUNTING],
     )
 
 

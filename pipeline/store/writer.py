@@ -216,30 +216,57 @@ class Store:
             [document_row, document_id, variant],
         )
 
-    def save_document(self, row: dict, layer_rows: list[dict], frontier_rows: Optional[list[dict]] = None) -> int:
-        """Store one document × variant, its per-layer rows and (a full variant's) frontier rows atomically.
+    def save_document(self, row: dict, layer_rows: list[dict]) -> int:
+        """Store one document × variant and its per-layer rows atomically.
 
         An earlier try of the same work (same ``doc_key``) is replaced, with its
-        layer and frontier rows; earlier rows of the same document and variant stay
-        as history (``is_latest = 0``).
+        layer rows; earlier rows of the same document and variant stay as history
+        (``is_latest = 0``).
         """
         with self._write():
             old = self.db.execute("select id from documents where doc_key = ?", [row["doc_key"]]).fetchone()
             if old:
                 self.db.execute("delete from layer_stats where document_row = ?", [old[0]])
                 self.db.execute("delete from documents where id = ?", [old[0]])
-                self.db.execute("delete from frontier where doc_key = ?", [row["doc_key"]])
-            if frontier_rows:
-                keys = {k: row[k] for k in ("run_id", "doc_key", "document_id", "prompt_hash", "settings_hash")}
-                self.db["frontier"].insert_all([{**keys, **point, "created_at": now()} for point in frontier_rows])
             document_row = self.db["documents"].insert({**row, "created_at": now(), "is_latest": 1}).last_pk
             self._make_latest(document_row, row["document_id"], row["variant"])
             if layer_rows:
                 base = {k: row[k] for k in ("run_id", "document_id", "variant", "method")}
+                accounting = {"accounting": row["accounting"]} if row.get("accounting") else {}
                 self.db["layer_stats"].insert_all(
-                    [{**base, **layer, "document_row": document_row} for layer in layer_rows]
+                    [{**base, **layer, **accounting, "document_row": document_row} for layer in layer_rows]
                 )
         return document_row
+
+    # frontier
+
+    def settled_frontier(self, keys: list[str]) -> set[str]:
+        """Which of ``keys`` (``frontier_key``) are stored as measured or skipped; an ``error`` row is not."""
+        settled: set[str] = set()
+        for begin in range(0, len(keys), 500):
+            chunk = keys[begin : begin + 500]
+            marks = ", ".join("?" * len(chunk))
+            settled.update(
+                key for (key,) in self.db.execute(
+                    f"select frontier_key from frontier where frontier_key in ({marks}) and status in ('done', 'skipped')",
+                    chunk,
+                )
+            )
+        return settled
+
+    def save_frontier(self, rows: list[dict]) -> None:
+        """Store frontier points atomically: each replaces the row of its ``frontier_key`` and becomes the
+        latest of its document × variant × budget (earlier ones stay as history, ``is_latest = 0``)."""
+        if not rows:
+            return
+        with self._write():
+            for row in rows:
+                self.db.execute("delete from frontier where frontier_key = ?", [row["frontier_key"]])
+                point = self.db["frontier"].insert({**row, "created_at": now(), "is_latest": 1}).last_pk
+                self.db.execute(
+                    "update frontier set is_latest = (id = ?) where document_id = ? and variant = ? and budget = ?",
+                    [point, row["document_id"], row["variant"], row["budget"]],
+                )
 
     def full_reference(self, document_id: str, prompt_hash: str, settings_hash: str) -> Optional[dict]:
         """The stored full-cache result for the same prompt tokens and settings, if any.

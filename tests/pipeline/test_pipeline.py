@@ -121,12 +121,23 @@ LOOKING_AHEAD = [  # the full variant's own output is their draft when they shar
 ]
 
 
-@pytest.mark.parametrize("variants", [None, LOOKING_AHEAD], ids=["plain", "look-ahead"])
-def test_variants_sharing_one_reading_store_what_they_store_one_at_a_time(job, tmp_path, variants):
-    """The full and prefill-end variants of a document share one reading: the rows are those of separate runs."""
+SAMPLED = {"generation": {"temperature": 0.8, "seed": 3}}
+PENALISED = {"generation": {"repetition_penalty": 1.3}}
+
+
+@pytest.mark.parametrize("variants, changes", [
+    (None, {}), (LOOKING_AHEAD, {}), (LOOKING_AHEAD, SAMPLED), (LOOKING_AHEAD, PENALISED),
+], ids=["plain", "look-ahead", "look-ahead-sampled", "look-ahead-penalised"])
+def test_variants_sharing_one_reading_store_what_they_store_one_at_a_time(job, tmp_path, variants, changes):
+    """The full and prefill-end variants of a document share one reading: the rows are those of separate runs.
+
+    Where the full variant's output is not the greedy draft a variant's own prefill makes
+    (sampled, penalised, or a look-ahead longer than ``max_tokens``, as the defaults' 16
+    against 6 here), the reading drafts greedily itself.
+    """
     write_corpus(tmp_path / "corpus.parquet", n=4)
-    if variants is not None:
-        job = functools.partial(job, variants=variants)
+    top = {"variants": variants} if variants is not None else {}
+    spec = lambda extra: job({**changes, **extra}, **top)  # noqa: E731
     outputs = (
         "document_id, variant, status, output, prompt_tokens, output_tokens, stop_reason, kept_bytes, full_seq_bytes, "
         "compression_ratio, rouge_l_vs_full, agreement_vs_full, nll_gap_vs_full, output_token_ids, output_logprobs, "
@@ -134,15 +145,27 @@ def test_variants_sharing_one_reading_store_what_they_store_one_at_a_time(job, t
     )
     layers = "document_id, variant, layer, layer_budget, tokens_seen, tokens_kept, kept_bytes, full_seq_bytes, concentration"
     shared, alone = tmp_path / "shared.db", tmp_path / "alone.db"
-    assert invoke("run", job({"output": {"db": str(shared)}}), "-q").exit_code == 0
+    assert invoke("run", spec({"output": {"db": str(shared)}}), "-q").exit_code == 0
     for variant in ("full", "pyramid", "squeeze"):
-        assert invoke("run", job({"output": {"db": str(alone)}}), "-q", "--variant", variant).exit_code == 0
+        assert invoke("run", spec({"output": {"db": str(alone)}}), "-q", "--variant", variant).exit_code == 0
     for columns, table in ((outputs, "documents"), (layers, "layer_stats")):
         query = f"select {columns} from {table} order by {columns}"
         assert rows(shared, query) == rows(alone, query)
+    # each row's prefill_seconds is what its variant costs: the reading (the shared part) and its own cut
     timing = "select variant, count(reading_seconds), sum(prefill_seconds >= reading_seconds) from documents group by 1"
-    assert rows(shared, timing) == [("full", 4, 4), ("pyramid", 4, 0), ("squeeze", 4, 0)], "the reading is the full's"
+    assert rows(shared, timing) == [("full", 4, 4), ("pyramid", 4, 4), ("squeeze", 4, 4)]
     assert rows(alone, "select count(reading_seconds) from documents") == [(0,)]
+    # drafting is apart from prefill: alone each looking-ahead variant drafts; shared, the full output is its draft
+    drafts = "select variant, count(draft_seconds) from documents group by 1"  # prefill_end looks ahead by default
+    assert rows(alone, drafts) == [("full", 0), ("pyramid", 4), ("squeeze", 4)]
+    drafted_by_reading = 4 if variants is None or changes else 0
+    assert rows(shared, drafts) == [("full", 0), ("pyramid", drafted_by_reading), ("squeeze", drafted_by_reading)]
+    # each row's peak is its own, never the other variants' recordings (they took it 30-45% above here); what is
+    # left is the reading's scoring buffers, a far larger share of this tiny model's peak than of a real one's
+    # (bench/store_figures.py measures SmolLM2)
+    peaks = "select document_id, variant, peak_memory_bytes from documents order by 1, 2"
+    for (document, variant, peak), (_, _, own) in zip(rows(shared, peaks), rows(alone, peaks)):
+        assert peak == pytest.approx(own, rel=0.25), (document, variant)
 
 
 def test_the_frontier_measures_every_policy_at_every_budget_from_the_same_reading(job, tmp_path):
@@ -150,11 +173,12 @@ def test_the_frontier_measures_every_policy_at_every_budget_from_the_same_readin
     path = job(frontier={"budgets": [8, 24, "50%"]})
     assert invoke("run", path, "-q").exit_code == 0
     db = tmp_path / "store.db"
-    assert rows(db, "select count(*), count(distinct doc_key || variant || budget) from frontier") == [(18, 18)]
-    # at a variant's own budget the frontier point is that variant's own row
+    assert rows(db, "select count(*), count(distinct frontier_key) from frontier where is_latest = 1") == [(18, 18)]
+    # at a variant's own budget the frontier point is that variant's own row, bytes and ratio by one definition
     same = rows(db, """select count(*) from frontier f join documents d on d.document_id = f.document_id
                        and d.variant = f.variant and f.budget = '24'
                        where f.agreement_vs_full = d.agreement_vs_full and f.kept_bytes = d.kept_bytes
+                       and f.full_seq_bytes = d.full_seq_bytes and f.compression_ratio = d.compression_ratio
                        and abs(f.nll_gap_vs_full - d.nll_gap_vs_full) < 1e-5""")  # forced in another batch
     assert same == [(6,)]
     summary = rows(db, "select variant, budget, documents from frontier_summary order by variant, kept_share")
@@ -206,12 +230,26 @@ def test_killed_run_resumes_with_nothing_lost_or_doubled(job, tmp_path):
     assert rows(db, "select count(*), count(distinct doc_key) from documents") == [(120, 120)]
     assert rows(db, "select count(*) from documents where status != 'done'") == [(0,)]
     assert rows(db, "select count(*) from layer_stats") == [(120 * 4,)]
-    frontier = "select count(*), count(distinct doc_key || variant || budget) from frontier"
+    frontier = "select count(*), count(distinct frontier_key) from frontier where status = 'done'"
     assert rows(db, frontier) == [(40 * 2 * 2, 40 * 2 * 2)], "every document's frontier, once"
     assert rows(db, "select id, status from runs order by id") == [(1, "interrupted"), (2, "done")]
     # the killed run ended when it stored its last document, not when the next run started
     assert rows(db, "select ended_at from runs where id = 1") == [("2001-01-01T00:00:00+00:00",)]
     assert rows(db, "select documents_unchanged + documents_done from runs where id = 2") == [(120,)]
+    # a variant's settings change, and the run that redoes it and its frontier points is killed too
+    changed = [{"name": "full", "method": "full"}, {"name": "pyramid", "method": "pyramidkv", "budget": 24, "kernel": 3},
+               {"name": "squeeze", "method": "squeeze", "budget": 24}]
+    path = job({"generation": {"max_tokens": 24}}, frontier={"budgets": [8, "50%"]}, variants=changed)
+    process = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(path), "-q"], cwd=REPO, env=env)
+    wait_until_stored(process, db, 125)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert invoke("run", path, "-q").exit_code == 0
+    latest = "select count(*), count(distinct doc_key) from documents where is_latest = 1"
+    assert rows(db, latest) == [(120, 120)]
+    points = "select count(*), count(distinct frontier_key) from frontier where is_latest = 1 and status = 'done'"
+    assert rows(db, points) == [(160, 160)], "every point once, the changed variant's measured again"
+    assert rows(db, "select count(*) from frontier where is_latest = 0") == [(80,)]
 
 
 def test_killed_while_a_row_of_a_batch_fails_every_other_row_is_stored_once(job, tmp_path):

@@ -53,12 +53,13 @@ def test_a_done_row_is_built_from_the_plan_and_the_result():
         "doc_key": "key-half", "document_id": "doc", "content_hash": "contenthash", "prompt_hash": "prompthash",
         "settings_hash": "settingshash", "variant": "half", "method": "pyramidkv", "budget": 20,
         "scoring": "observed", "eviction": None, "run_id": 7, "status": "done", "output": "out", "prompt_tokens": 40, "truncated": 1,
-        "output_tokens": 2, "prefill_seconds": 2.0, "reading_seconds": None, "decode_seconds": 0.5, "decode_batch_size": 1,
+        "output_tokens": 2, "prefill_seconds": 2.0, "reading_seconds": None, "draft_seconds": None, "decode_seconds": 0.5,
+        "decode_batch_size": 1,
         "prefill_tokens_per_second": 20.0,
         "decode_tokens_per_second": 4.0, "peak_memory_bytes": 123, "stop_reason": "eos", "rouge_l_vs_full": 0.75,
         "agreement_vs_full": 0.5, "nll_gap_vs_full": 0.25, "fidelity_seconds": 0.1, "fidelity_note": None,
         "output_token_ids": "[1, 2]", "output_logprobs": "[-0.123457, -1.0]",
-        "kept_bytes": 10, "spare_bytes": 0, "full_seq_bytes": 40, "compression_ratio": 4.0,
+        "kept_bytes": 10, "spare_bytes": 0, "full_seq_bytes": 40, "compression_ratio": 4.0, "accounting": "prefill_end",
     }
 
 

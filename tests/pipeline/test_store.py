@@ -155,6 +155,33 @@ def test_a_store_from_before_cache_kinds_is_upgraded_in_place(tmp_path, monkeypa
     assert rows(db, "select method, layer, documents from layer_summary") == [("h2o", 0, 2)]
 
 
+
+def test_rows_stored_before_the_accounting_changes_are_marked_and_left_out_of_byte_figures(tmp_path, monkeypatch):
+    """``kept_bytes`` counted spare slots before m012 and was taken after decoding until m013: the views
+    average only rows of today's definition, and frontier rows from before carry no key and stop being latest."""
+    db = tmp_path / "old.db"
+
+    def document(key, **values):
+        return {"doc_key": key, "run_id": None, "document_id": key, "variant": "v", "method": "h2o",
+                "status": "done", "compression_ratio": 2.0, **values}
+
+    monkeypatch.setattr(migrations_module, "MIGRATIONS", MIGRATIONS[:11])  # before m012
+    with Store(db).locked() as store:
+        store.save_document(document("spare"), [])
+        store.db["frontier"].insert({"document_id": "spare", "variant": "v", "budget": "8", "kept_bytes": 1,
+                                     "full_seq_bytes": 4, "created_at": "2001-01-01"})
+    monkeypatch.setattr(migrations_module, "MIGRATIONS", MIGRATIONS[:12])  # m012, before m013
+    with Store(db).locked() as store:
+        store.save_document(document("decoded", spare_bytes=0), [])
+    monkeypatch.setattr(migrations_module, "MIGRATIONS", MIGRATIONS)
+    with Store(db).locked() as store:
+        store.save_document(document("now", spare_bytes=0, compression_ratio=4.0, accounting="prefill_end"), [])
+    assert rows(db, "select document_id, accounting from documents order by id") == [
+        ("spare", "spare_counted"), ("decoded", "decode_end"), ("now", "prefill_end")]
+    assert rows(db, "select documents, mean_compression_ratio from method_summary") == [(3, 4.0)]
+    assert rows(db, "select status, is_latest, frontier_key from frontier") == [("done", 0, None)]
+    assert rows(db, "select count(*) from frontier_summary") == [(0,)]
+
 # ----- one default store path ------------------------------------------------------------------
 
 

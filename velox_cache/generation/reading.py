@@ -159,6 +159,7 @@ class SharedReading:
                     f"model: layers Velox does not compress ({', '.join(sorted(kinds))}) cannot be shared by a reading"
                 )
         self.logits: Optional[mx.array] = None
+        self.stop_tokens: frozenset = frozenset()  # where a draft stops (``draft``)
         self.looked_ahead = False  # the draft was fed (``look_ahead``), or none is needed
 
     @classmethod
@@ -206,12 +207,20 @@ class SharedReading:
                 stop_tokens=stop_tokens, repeat=repeat, drafts_after=False,
             )
         reading.looked_ahead = not reading.look_ahead_steps
+        reading.stop_tokens = frozenset(stop_tokens)
         if draft and not reading.looked_ahead:
-            with attention_routing(model, [FULL]):
-                drafted = draft_tokens(model, reading._full, reading.logits, reading.look_ahead_steps, stop_tokens)
-            reading.look_ahead(drafted)
+            reading.look_ahead(reading.draft())
         phases.tell(reading._full, phases.Phase.DECODE)
         return reading
+
+    def draft(self) -> list[int]:
+        """The greedy draft the configs' own prefills make (``look_ahead_steps`` tokens), from the full stack.
+
+        Call it before the full stack decodes (it drafts after the prompt); feed
+        the result with ``look_ahead``.
+        """
+        with attention_routing(self.model, [FULL]):
+            return draft_tokens(self.model, self._full, self.logits, self.look_ahead_steps, self.stop_tokens)
 
     @property
     def look_ahead_steps(self) -> int:
@@ -241,6 +250,21 @@ class SharedReading:
     def nbytes(self) -> int:
         """Bytes the recordings hold (the full stack is the full variant's own)."""
         return sum(getattr(cache, "nbytes", 0) for stack in self._recordings for cache in stack)
+
+    def held_bytes(self, config: Optional[KVCacheConfig] = None) -> int:
+        """Bytes the reading holds now: for ``config`` (the full stack, or its recording) only, else every member.
+
+        What ``config``'s own prefill holds is its member's bytes; the rest is
+        held for the other configs read (``pipeline.generation`` takes it off a
+        shared reading's peak to give each variant its own).
+        """
+        full = sum(getattr(cache, "nbytes", 0) for cache in self._full)
+        recordings = [sum(getattr(cache, "nbytes", 0) for cache in stack) for stack in self._recordings]
+        if config is None:
+            return full + sum(recordings)
+        if config.method == "full":
+            return full
+        return recordings[self._recipes.index(reading_recipe(config))]
 
     def full(self) -> list:
         """The full cache stack, as the full variant's own prefill leaves it (shared: decode a snapshot to keep it)."""

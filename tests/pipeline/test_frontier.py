@@ -1,0 +1,99 @@
+"""The frontier is keyed by what produced it: measured where missing, never stale, never silently dropped."""
+
+import pytest
+
+import pipeline.generation
+from tests.pipeline import poison
+from tests.pipeline.helpers import invoke, rows, write_corpus
+from velox_cache.generation.batching import BatchUnsupported
+
+BUDGETS = {"budgets": [8, 24]}
+LATEST = "select variant, budget, count(*) from frontier where is_latest = 1 group by 1, 2 order by 1, 2"
+EVERY_POINT = [("pyramid", "24", 3), ("pyramid", "8", 3), ("squeeze", "24", 3), ("squeeze", "8", 3)]
+
+
+def test_a_changed_variant_is_measured_again_and_its_old_points_leave_the_summary(job, tmp_path):
+    write_corpus(tmp_path / "corpus.parquet", n=3)
+    db = tmp_path / "store.db"
+    assert invoke("run", job(frontier=BUDGETS), "-q").exit_code == 0
+    before = dict(((v, b, d), i) for i, v, b, d in rows(db, "select id, variant, budget, document_id from frontier"))
+    changed = [
+        {"name": "full", "method": "full"},
+        {"name": "pyramid", "method": "pyramidkv", "budget": 24, "kernel": 3},
+        {"name": "squeeze", "method": "squeeze", "budget": 24},
+    ]
+    assert invoke("run", job(frontier=BUDGETS, variants=changed), "-q").exit_code == 0
+    assert rows(db, LATEST) == EVERY_POINT
+    after = rows(db, "select id, variant, budget, document_id from frontier where is_latest = 1")
+    kept = [(v, b) for i, v, b, d in after if before[(v, b, d)] == i]
+    assert sorted(set(kept)) == [("squeeze", "24"), ("squeeze", "8")], "only the changed variant is measured again"
+    assert rows(db, "select count(*) from frontier where is_latest = 0 and variant = 'pyramid'") == [(6,)]
+    summary = "select variant, budget, documents from frontier_summary order by 1, 2"
+    assert rows(db, summary) == EVERY_POINT, "the summary reads the latest points only"
+
+
+def test_a_frontier_added_to_a_store_is_measured_for_the_documents_already_done(job, tmp_path):
+    write_corpus(tmp_path / "corpus.parquet", n=3)
+    db = tmp_path / "store.db"
+    assert invoke("run", job(), "-q").exit_code == 0
+    assert invoke("run", job(frontier=BUDGETS), "-q").exit_code == 0
+    assert rows(db, "select documents_unchanged, documents_done from runs where id = 2") == [(9, 0)]
+    assert rows(db, LATEST) == EVERY_POINT
+    assert invoke("run", job(frontier=BUDGETS), "-q").exit_code == 0
+    assert rows(db, "select count(*) from frontier") == [(12,)], "nothing measured twice"
+
+
+def test_a_batch_redone_row_by_row_keeps_its_frontier(job, tmp_path, monkeypatch):
+    """A poisoned full variant fails its batch: the others are redone alone, and still measure their frontier."""
+    poison.install(monkeypatch)
+    texts = [f"Document {i} talks about kv caches and eviction number {i}. " * 2 for i in range(3)]
+    texts[1] = f"Document 1 is {poison.MARK}ed. " * 3
+    write_corpus(tmp_path / "corpus.parquet", n=3, text=texts)
+    db = tmp_path / "store.db"
+    invoke("run", job(frontier=BUDGETS), "-q")
+    done = "select document_id, count(*) from frontier where status = 'done' group by 1 order by 1"
+    assert rows(db, done) == [("doc-0", 4), ("doc-2", 4)]
+    notes = rows(db, "select distinct status, note from frontier where document_id = 'doc-1'")
+    assert notes == [("error", "the full variant failed: RuntimeError: injected: a poisoned row")]
+
+
+def test_a_variant_that_cannot_share_a_reading_says_so_on_its_frontier_rows(job, tmp_path):
+    write_corpus(tmp_path / "corpus.parquet", n=2)
+    variants = [
+        {"name": "full", "method": "full"},
+        {"name": "pyramid", "method": "pyramidkv", "budget": 24},
+        {"name": "streamed", "method": "squeeze", "budget": 24, "eviction": "streaming"},
+    ]
+    db = tmp_path / "store.db"
+    assert invoke("run", job(frontier=BUDGETS, variants=variants), "-q").exit_code == 0
+    found = rows(db, "select variant, status, count(*), count(note) from frontier group by 1, 2 order by 1")
+    assert found == [("pyramid", "done", 4, 0), ("streamed", "skipped", 4, 4)]
+    note = rows(db, "select distinct note from frontier where variant = 'streamed'")[0][0]
+    assert "streaming" in note and "shared reading" in note
+    assert invoke("run", job(frontier=BUDGETS, variants=variants), "-q").exit_code == 0
+    assert rows(db, "select count(*) from frontier") == [(8,)], "a skipped point is settled, not retried"
+
+
+def test_frontier_bytes_are_taken_before_teacher_forcing(job, tmp_path, monkeypatch):
+    """Where stacks cannot be forced together, each is forced alone: its bytes are still the prompt's."""
+    write_corpus(tmp_path / "corpus.parquet", n=2)
+    together = tmp_path / "together.db"
+    assert invoke("run", job({"output": {"db": str(together)}}, frontier=BUDGETS), "-q").exit_code == 0
+
+    def unsupported(*args, **kwargs):
+        raise BatchUnsupported("forced one at a time in this test")
+
+    monkeypatch.setattr(pipeline.generation, "feed_together", unsupported)
+    alone = tmp_path / "alone.db"
+    assert invoke("run", job({"output": {"db": str(alone)}}, frontier=BUDGETS), "-q").exit_code == 0
+    query = "select document_id, variant, budget, kept_bytes, full_seq_bytes, agreement_vs_full from frontier order by 1, 2, 3"
+    assert rows(alone, query) == rows(together, query)
+
+
+@pytest.mark.parametrize("column", ["kept_bytes", "full_seq_bytes", "compression_ratio"])
+def test_a_variants_row_and_its_own_frontier_point_agree(job, tmp_path, column):
+    write_corpus(tmp_path / "corpus.parquet", n=2)
+    assert invoke("run", job(frontier=BUDGETS), "-q").exit_code == 0
+    pairs = rows(tmp_path / "store.db", f"""select d.{column}, f.{column} from documents d join frontier f
+                 on f.document_id = d.document_id and f.variant = d.variant and f.budget = '24'""")
+    assert len(pairs) == 4 and all(row == point for row, point in pairs)

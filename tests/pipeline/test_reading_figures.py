@@ -1,0 +1,35 @@
+"""A row cut from a shared reading carries what its variant costs, and a peak that is its own."""
+
+from pipeline.generation import cut_shared, read_shared
+from pipeline.prompting import Prompt
+from pipeline.spec import GenerationSpec
+from velox_cache import KVCacheConfig
+
+FULL = KVCacheConfig(method="full")
+PYRAMID = KVCacheConfig(method="pyramidkv", budget=24, lookahead=4)
+SQUEEZE = KVCacheConfig(method="squeeze", budget=24, lookahead=0)
+
+
+def _reading(tiny_model, **settings):
+    model, tokenizer = tiny_model
+    prompt = Prompt([5 + (i * 7) % 90 for i in range(200)], document_start=2, document_end=190)
+    spec = GenerationSpec(max_tokens=6, prefill_step_size=32, **settings)
+    return tokenizer, spec, read_shared(model, tokenizer, prompt, [FULL, PYRAMID, SQUEEZE], spec)
+
+
+def test_each_cut_row_carries_the_reading_and_none_carries_the_others_recordings(tiny_model):
+    tokenizer, spec, reading = _reading(tiny_model)
+    runs = {config.method: cut_shared(tokenizer, reading, config, spec) for config in (FULL, PYRAMID, SQUEEZE)}
+    recordings = reading.shared.nbytes
+    full_stack = reading.shared.held_bytes(FULL)
+    assert runs["full"].prefill_peak_bytes <= reading.peak_bytes - recordings
+    for method in ("pyramidkv", "squeeze"):
+        assert runs[method].prefill_peak_bytes <= reading.peak_bytes - full_stack
+    for run in runs.values():
+        assert run.reading_seconds >= reading.seconds and run.prefill_seconds >= run.reading_seconds
+    assert runs["pyramidkv"].reading_seconds == reading.seconds + reading.look_ahead_seconds > reading.seconds
+    assert runs["full"].reading_seconds == runs["squeeze"].reading_seconds == reading.seconds
+    # the reading drafted (nothing decoded yet to be the draft): its seconds go to the variant that looks ahead
+    assert reading.draft_seconds is not None
+    assert runs["pyramidkv"].draft_seconds == reading.draft_seconds
+    assert runs["full"].draft_seconds is None and runs["squeeze"].draft_seconds is None
