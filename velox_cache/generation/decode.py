@@ -279,9 +279,16 @@ def batch_generate(
     """Generate for every prompt with its own fresh Velox cache stack, decoding ``batch_size`` at a time.
 
     Like ``mlx_lm.batch_generate`` (``.texts``), with compressed caches: each
-    prompt (text, or token ids) gets a stack from ``KVCacheBuilder.for_model``
-    (and its own squeeze coordinator), is prefilled in chunks of
-    ``prefill_step_size``, and decodes in a batch with the others: greedy, or
+    prompt (text, encoded as ``mlx_lm.generate`` encodes it, or token ids) gets
+    a stack from ``KVCacheBuilder.for_model`` fitted to it (``prompt_tokens``,
+    ``new_tokens=max_tokens``; its own squeeze coordinator), is prefilled as
+    ``mlx_lm.generate_step`` prefills (all but the last token in chunks of
+    ``prefill_step_size``, then the last token alone), and decodes in a batch
+    with the others. Each prompt gets the tokens ``mlx_lm.generate`` gets on
+    such a stack inside ``observe(model)``, except where the config drafts a
+    ``lookahead`` or ranks by ``reconstruction``: those need phases told
+    (``prefill_phases``), which ``mlx_lm.generate`` never tells
+    (docs/batching.md). Decoding is greedy, or
     sampled with mlx-lm's samplers (``sampling``: ``TokenSampler``'s keywords,
     ``temperature``, ``top_p``, ``min_p``, ``top_k``, ``repetition_penalty``,
     ``repetition_context_size``); prompt ``i`` draws from seed ``seeds[i]``
@@ -296,7 +303,7 @@ def batch_generate(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size: must be at least 1, got {batch_size}")
-    prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    prompts = [_encode(tokenizer, p) if isinstance(p, str) else list(p) for p in prompts]
     seeds = list(seeds) if seeds is not None else [0] * len(prompts)
     if len(seeds) != len(prompts):
         raise ValueError(f"seeds: {len(seeds)} seeds for {len(prompts)} prompts")
@@ -315,6 +322,7 @@ def batch_generate(
                 logits = prefill_phases(
                     model, caches, document=tokens, chunk_size=prefill_step_size, max_new_tokens=max_tokens,
                     stop_tokens=eos, repeat=repeat_request(tokenizer) if config.selection == "reconstruction" else (),
+                    last_alone=True,
                 )
                 sampler = TokenSampler(tokens, seed=seed, **sampling)
                 group.append(DecodeRow(caches, sampler, sampler.logprobs(logits), max_tokens, eos))
@@ -329,3 +337,9 @@ def batch_generate(
         batch_sizes=[row.batch_size for row in rows],
     )
 
+
+
+def _encode(tokenizer, prompt: str) -> list[int]:
+    """``prompt``'s tokens as ``mlx_lm.generate`` encodes it: special tokens unless it starts with the BOS text."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return list(tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))

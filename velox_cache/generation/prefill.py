@@ -70,6 +70,7 @@ def prefill_phases(
     stop_tokens: Collection[int] = (),
     repeat: Sequence[int] = (),
     drafts_after: bool = True,
+    last_alone: bool = False,
 ) -> mx.array:
     """Prefill ``prefix + document + instruction`` into ``caches``; returns the last position's logits ``[1, V]``.
 
@@ -81,6 +82,9 @@ def prefill_phases(
     and after every probe is dropped (``"probe_dropped"``), for progress and
     checks. ``tell_decode=False`` stops before telling ``decode``: prefill has
     not ended (``velox_cache.generation.reading`` cuts stacks from it first).
+    ``last_alone``: the prompt's last token runs in a call of its own after the
+    chunks before it, as ``mlx_lm.generate_step`` feeds a prompt
+    (``velox_cache.batch_generate`` equals it so).
 
     Where a cache's config asks for a ``lookahead``, that many tokens are
     drafted greedily after the prompt (``draft``; ``stop_tokens`` end the draft
@@ -106,7 +110,7 @@ def prefill_phases(
 
     phases.tell(caches, Phase.DOCUMENT)
     logits = None
-    chunks = [body[i : i + chunk_size] for i in range(0, len(body), chunk_size)]
+    chunks = _chunks(body, chunk_size, last_alone and not instruction)
     for index, chunk in enumerate(chunks):
         last = index == len(chunks) - 1
         positions.make_room(len(chunk) + (0 if last else len(probe)))  # a probe's positions are given back
@@ -122,8 +126,8 @@ def prefill_phases(
     if instruction:
         phases.tell(caches, Phase.INSTRUCTION)
         positions.make_room(len(instruction) + max(max_new_tokens, drafts))
-        for begin in range(0, len(instruction), chunk_size):
-            logits = _run(model, instruction[begin : begin + chunk_size], caches)
+        for piece in _chunks(instruction, chunk_size, last_alone):
+            logits = _run(model, piece, caches)
             notify("instruction", caches)
     mx.eval(logits)  # before decode begins: the last prompt token sees everything held
     if drafts:
@@ -213,6 +217,13 @@ def reconstruct(
             _run(model, list(repeat) + list(document[begin : begin + room]), caches)
         mx.eval([c.state for c in caches])
         after_piece()
+
+
+def _chunks(tokens: list[int], size: int, last_alone: bool = False) -> list[list[int]]:
+    """``tokens`` in pieces of ``size``; ``last_alone``: all but the last token so, then the last one alone."""
+    end = len(tokens) - 1 if last_alone and tokens else len(tokens)
+    pieces = [tokens[i : min(i + size, end)] for i in range(0, end, size)]
+    return pieces + [tokens[end:]] if end < len(tokens) else pieces
 
 
 def _run(model, tokens: list[int], caches: list) -> mx.array:
