@@ -209,7 +209,7 @@ class SharedReadings:
             reading = None
         except Exception as exc:  # noqa: BLE001 - every variant of the reading fails with it
             reading = exc
-        return _Reading(reading, {v.name for v in sharing}, sharing[0].name, bool(also_read))
+        return _Reading(reading, {v.name for v in sharing}, bool(also_read))
 
 
 @dataclass
@@ -218,7 +218,6 @@ class _Reading:
 
     reading: object  # generation.Reading, an Exception, or None
     due: set
-    first: str
     frontier: bool
 
 
@@ -266,6 +265,9 @@ def measure_frontier(model, tokenizer, item: WorkItem, references: References,
             measured = frontier_rows(model, reading, [(p.variant.name, p.budget, c) for p, c in zip(points, configs)],
                                      reference, item.generation)
             results += [{"key": p.key, "status": "done", **row} for p, row in zip(points, measured)]
+    except NotDerivable as exc:  # e.g. a model with layers Velox leaves alone: no reading can serve them, ever
+        results = [r for r in results if r["status"] == "skipped"]
+        results += [{"key": p.key, "status": "skipped", "note": str(exc)} for p in points]
     except Exception as exc:  # noqa: BLE001 - the document's rows stand; the points say why, and are redone
         note = f"{type(exc).__name__}: {exc}"
         results = [r for r in results if r["status"] == "skipped"]
