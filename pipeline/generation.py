@@ -269,8 +269,10 @@ def read_shared(
 def cut_shared(tokenizer, reading: Reading, config: KVCacheConfig, settings: GenerationSpec) -> PrefilledVariant:
     """``config``'s run cut from ``reading``: what ``prefill_variant`` gives it alone (tokens, caches, accounting).
 
-    ``prefill_seconds``: the reading's seconds, its look-ahead's call when ``config``
-    looks ahead, and the cut; ``reading_seconds``: the shared part of it (the reading
+    ``prefill_seconds``: the reading's seconds (less its scoring passes, measured by the
+    fused attention, where ``config``'s own prefill scores no rows while reading:
+    ``SharedReading.scores_while_reading``), its look-ahead's call when ``config`` looks
+    ahead, and the cut; ``reading_seconds``: the shared part of it (the reading
     and the look-ahead); ``draft_seconds``: the reading's draft, when it drafted for
     ``config``; ``prefill_peak_bytes``: the reading's peak less what it held for the
     other configs (``Reading.own_peak``). A compressed run keeps a snapshot for
@@ -282,7 +284,8 @@ def cut_shared(tokenizer, reading: Reading, config: KVCacheConfig, settings: Gen
     sampler = TokenChoice(settings, reading.prompt.tokens)
     first_logprobs = sampler.logprobs(shared.logits)
     mx.eval(first_logprobs)
-    common = reading.seconds + (reading.look_ahead_seconds if config.lookahead else 0.0)
+    scored = 0.0 if shared.scores_while_reading(config) else shared.scoring_seconds  # spent for the others read
+    common = reading.seconds - scored + (reading.look_ahead_seconds if config.lookahead else 0.0)
     eos = frozenset(tokenizer.eos_token_ids)
     return PrefilledVariant(
         DecodeRow(caches, sampler, first_logprobs, settings.max_tokens, eos),

@@ -4,6 +4,7 @@ from pipeline.generation import cut_shared, read_shared
 from pipeline.prompting import Prompt
 from pipeline.spec import GenerationSpec
 from velox_cache import KVCacheConfig
+from velox_cache.kernels import fused
 
 FULL = KVCacheConfig(method="full")
 PYRAMID = KVCacheConfig(method="pyramidkv", budget=24, lookahead=4)
@@ -25,10 +26,16 @@ def test_each_cut_row_carries_the_reading_and_none_carries_the_others_recordings
     assert runs["full"].prefill_peak_bytes <= reading.peak_bytes - recordings
     for method in ("pyramidkv", "squeeze"):
         assert runs[method].prefill_peak_bytes <= reading.peak_bytes - full_stack
+    # the reading scored every row for squeeze (its mass blend and measure): only squeeze pays for that
+    shared = reading.shared
+    assert [shared.scores_while_reading(c) for c in (FULL, PYRAMID, SQUEEZE)] == [False, False, True]
+    assert shared.scoring_seconds > 0 or not fused.available()
+    unscored = reading.seconds - shared.scoring_seconds
+    assert runs["full"].reading_seconds == unscored
+    assert runs["pyramidkv"].reading_seconds == unscored + reading.look_ahead_seconds
+    assert runs["squeeze"].reading_seconds == reading.seconds
     for run in runs.values():
-        assert run.reading_seconds >= reading.seconds and run.prefill_seconds >= run.reading_seconds
-    assert runs["pyramidkv"].reading_seconds == reading.seconds + reading.look_ahead_seconds > reading.seconds
-    assert runs["full"].reading_seconds == runs["squeeze"].reading_seconds == reading.seconds
+        assert run.prefill_seconds >= run.reading_seconds
     # the reading drafted (nothing decoded yet to be the draft): its seconds go to the variant that looks ahead
     assert reading.draft_seconds is not None
     assert runs["pyramidkv"].draft_seconds == reading.draft_seconds

@@ -175,6 +175,13 @@ class LayerScoring:
 
     # ----- what a call's attention feeds --------------------------------------------------
 
+    @property
+    def scores_while_reading(self) -> bool:
+        """True when this cache's prefill chunks score their rows (cumulative mass, the allocator's measure),
+        not only the window that ranks when prefill ends."""
+        by_mass = bool(self.signal.rows(2)) and not (self.timing.ranks_by_window and not self.mass_weight)
+        return by_mass or self.allocation.concentration_rows(2) > 0
+
     def _rows_for_concentration(self, n_queries: int) -> int:
         """How many of this call's last query rows sample the allocator's measure (squeeze)."""
         return self.allocation.concentration_rows(n_queries) if self.progress.in_prefill_chunk else 0

@@ -30,6 +30,7 @@ from ..cache import phases
 from ..cache.base import EvictingKVCache
 from ..cache.choices import PolicyChoices
 from ..config import KVCacheConfig
+from ..kernels.fused import scoring_seconds
 from ..policies import POLICIES
 from .prefill import draft as draft_tokens
 from .prefill import look_ahead, model_context, prefill_phases
@@ -160,6 +161,7 @@ class SharedReading:
                 )
         self.logits: Optional[mx.array] = None
         self.stop_tokens: frozenset = frozenset()  # where a draft stops (``draft``)
+        self.scoring_seconds = 0.0  # of the reading, in the fused attention's scoring passes (``scores_while_reading``)
         self.looked_ahead = False  # the draft was fed (``look_ahead``), or none is needed
 
     @classmethod
@@ -200,12 +202,14 @@ class SharedReading:
             )
         reading = cls(model, configs, prompt_tokens=length, new_tokens=max_new_tokens)
         layers = [_ReadingLayer([full, *recorded]) for full, *recorded in zip(reading._full, *reading._recordings)]
+        scored_before = scoring_seconds()
         with attention_routing(model, [FULL, *configs]):
             reading.logits = prefill_phases(
                 model, layers, prefix=prefix, document=document, instruction=instruction, chunk_size=chunk_size,
                 max_new_tokens=max_new_tokens, context_length=context_length, tell_decode=False,
                 stop_tokens=stop_tokens, repeat=repeat, drafts_after=False,
             )
+        reading.scoring_seconds = scoring_seconds() - scored_before
         reading.looked_ahead = not reading.look_ahead_steps
         reading.stop_tokens = frozenset(stop_tokens)
         if draft and not reading.looked_ahead:
@@ -250,6 +254,15 @@ class SharedReading:
     def nbytes(self) -> int:
         """Bytes the recordings hold (the full stack is the full variant's own)."""
         return sum(getattr(cache, "nbytes", 0) for stack in self._recordings for cache in stack)
+
+    def scores_while_reading(self, config: KVCacheConfig) -> bool:
+        """True when ``config``'s own prefill scores the prompt's rows as it reads them (cumulative mass,
+        squeeze's measure); False for the full cache and for configs ranked by their window alone, whose own
+        prefill has none of the reading's ``scoring_seconds`` (spent for the other configs read)."""
+        if config.method == "full":
+            return False
+        stack = KVCacheBuilder.for_model(self.model, config, prompt_tokens=self.prompt_tokens, new_tokens=self.new_tokens)
+        return any(cache.scores_while_reading for cache in phases.leaves(stack) if isinstance(cache, EvictingKVCache))
 
     def held_bytes(self, config: Optional[KVCacheConfig] = None) -> int:
         """Bytes the reading holds now: for ``config`` (the full stack, or its recording) only, else every member.

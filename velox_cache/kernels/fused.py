@@ -38,6 +38,13 @@ def available() -> bool:
     return ops is not None and hasattr(ops, "attention")
 
 
+def scoring_seconds() -> float:
+    """Wall seconds the fused attention's calls have spent in their scoring passes (key mass, entropy) so far
+    in this process, apart from their outputs; 0.0 where the primitive is not built (it only grows)."""
+    ops = native.ops()
+    return ops.attention_scoring_seconds() if ops is not None and hasattr(ops, "attention_scoring_seconds") else 0.0
+
+
 def fused_attention(
     queries: mx.array,
     keys: mx.array,

@@ -490,3 +490,14 @@ def test_nan_scores_and_rows_that_see_no_key_on_every_instruction_set(instructio
     assert result.returncode == 0, result.stderr[-2000:]
     if result.stdout.split()[0] != instruction_set:
         pytest.skip(f"this CPU runs {result.stdout.split()[0]}, not {instruction_set}")
+
+
+@pytest.mark.skipif(not fused.available(), reason="the fused attention is not built")
+def test_scoring_seconds_grow_with_the_scoring_pass_only():
+    """``fused.scoring_seconds()``: what a shared reading takes off the rows that score nothing while reading."""
+    queries, keys, values = (mx.random.normal((1, 3, 512, 64), key=mx.random.key(i)) for i in range(3))
+    before = fused.scoring_seconds()
+    mx.eval(fused.fused_attention(queries, keys, values, scale=0.125, mask="causal")[0])
+    assert fused.scoring_seconds() == before
+    mx.eval(fused.fused_attention(queries, keys, values, scale=0.125, mask="causal", score_rows=512)[1])
+    assert fused.scoring_seconds() > before

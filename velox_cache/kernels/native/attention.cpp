@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -174,21 +175,30 @@ void add_partials(const AttentionProblem& p, const std::vector<AttentionTask>& t
 // Run every task on up to MAX_THREADS threads, claimed as they come; the key mass goes to `key_mass` (zeroed),
 // the entropy sum out. Each task sums into its own place and the places are added in task order: the results
 // are the same bits on every run and for any number of threads.
+// Wall seconds of every call's scoring passes so far: each call's wall time times its tasks' share of time
+// spent scoring (the key mass and entropy pass) rather than computing the output (``scoring_seconds()``).
+std::atomic<int64_t> scoring_nanoseconds{0};
+
 double solve(const AttentionProblem& p, float* key_mass) {
+  const auto started = std::chrono::steady_clock::now();
   const int64_t first_scored = std::min(p.score_from, p.entropy_from);
   const auto tasks = tasks_of(p, p.values == nullptr ? first_scored : 0);
   const auto& loops = attention_loops();
   unsigned threads = std::min<unsigned>(thread_limit(), static_cast<unsigned>(std::max<size_t>(1, tasks.size())));
   if (flops_of(p, tasks) < MIN_PARALLEL_FLOPS) threads = 1;
   const MassPlaces places = mass_places(p, tasks, key_mass);
-  std::vector<double> entropy(tasks.size(), 0.0);
+  std::vector<double> entropy(tasks.size(), 0.0), task_seconds(tasks.size(), 0.0), scoring(tasks.size(), 0.0);
   std::atomic<size_t> next{0};
   auto work = [&] {
     FlushDenormals flush;
     for (size_t i = next++; i < tasks.size(); i = next++) {
       ScoreSums sums{places.rows[i], 0.0};
-      loops.run_task(p, tasks[i], sums);
+      {
+        AddSeconds timed(task_seconds[i]);
+        loops.run_task(p, tasks[i], sums);
+      }
       entropy[i] = sums.entropy;
+      scoring[i] = sums.scoring_seconds;
     }
   };
   std::vector<std::thread> helpers;
@@ -196,6 +206,12 @@ double solve(const AttentionProblem& p, float* key_mass) {
   work();
   for (auto& helper : helpers) helper.join();
   add_partials(p, tasks, places, key_mass);
+  double all = 0.0, scored = 0.0;
+  for (size_t i = 0; i < tasks.size(); ++i) all += task_seconds[i], scored += scoring[i];
+  if (scored > 0.0 && all > 0.0) {
+    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    scoring_nanoseconds += static_cast<int64_t>(1e9 * wall * std::min(1.0, scored / all));
+  }
   double total = 0.0;
   for (const double e : entropy) total += e;
   return total;
@@ -375,6 +391,9 @@ std::tuple<std::optional<mx::array>, std::optional<mx::array>, std::optional<mx:
 void register_attention(nb::module_& m) {
   m.def("attention_instruction_set", [] { return std::string(attention_loops().instruction_set); },
         "The instruction set of the attention tile loops this CPU runs.");
+  m.def("attention_scoring_seconds", [] { return 1e-9 * static_cast<double>(scoring_nanoseconds.load()); },
+        "Wall seconds every attention call so far spent in its scoring pass (key mass and entropy), apart from\n"
+        "its output: each call's wall time times its tasks' share of time in that pass. Only grows.");
   m.def("attention", &attention, nb::arg("queries"), nb::arg("keys"), nb::arg("values").none(),
         nb::arg("mask").none(), nb::kw_only(), nb::arg("scale"), nb::arg("causal") = false,
         nb::arg("score_rows") = 0, nb::arg("entropy_rows") = 0, nb::arg("key_heads").none() = nb::none(),

@@ -2,6 +2,7 @@
 // (attention_loops.cpp, compiled once per instruction set) that solve one task of it.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 
 namespace velox {
@@ -41,6 +42,15 @@ struct ScoreSums {
                     // no other task adds to that row's keys, else a partial row of its own); null when none is asked
                     // for or none of its rows is scored
   double entropy;   // sum of its rows' entropies (natural log, not yet divided by log N)
+  double scoring_seconds = 0.0;  // the task's time in its scoring pass (key mass, entropy), apart from the output
+};
+
+// Times a block into `seconds` (added when the block ends, whatever way it ends).
+struct AddSeconds {
+  explicit AddSeconds(double& seconds) : seconds_(seconds), start_(std::chrono::steady_clock::now()) {}
+  ~AddSeconds() { seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
+  double& seconds_;
+  std::chrono::steady_clock::time_point start_;
 };
 
 struct AttentionLoops {

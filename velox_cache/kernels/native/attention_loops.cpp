@@ -425,6 +425,7 @@ class Task {
   // The second pass over the scored rows [first_row, M): exact probabilities with each row's final
   // maximum and sum, summed into the key mass (rows from score_from) and the entropy (from entropy_from).
   void score(int64_t first_row, ScoreSums& sums) {
+    AddSeconds timed(sums.scoring_seconds);
     const bool mass = p_.score_from < S && sums.key_mass != nullptr;
     const bool entropy = p_.entropy_from < S;
     w_.mass_weight.assign(mp, 0.0f);
@@ -636,6 +637,7 @@ class Task {
   template <int ROWS>
   void few_score(ScoreSums& sums, int64_t dp, const int64_t* position, const int64_t* mask_row,
                  const float* row_max, const float* row_sum) {
+    AddSeconds timed(sums.scoring_seconds);
     bool scored = false, any = false;
     bool row_scored[ROWS];
     float weight[ROWS];
