@@ -62,14 +62,14 @@ def variants(budget: int, names: list[str], overrides: dict = None) -> dict:
 
     ``overrides`` (``--set``) are extra ``KVCacheConfig`` fields for the compressed variants.
     """
-    extra = overrides or {}
+    extra = {"budget": budget, **(overrides or {})}  # --set budget=N wins over --budget
     table = {
         "plain": None,
         "full": KVCacheConfig(method="full"),  # what the job runner's full variant runs (Velox attention)
-        "prefill_end:pyramidkv": KVCacheConfig(method="pyramidkv", budget=budget, **extra),
-        "prefill_end:squeeze": KVCacheConfig(method="squeeze", budget=budget, **extra),
-        "streaming:pyramidkv": KVCacheConfig(method="pyramidkv", budget=budget, eviction="streaming", **extra),
-        "streaming:squeeze": KVCacheConfig(method="squeeze", budget=budget, eviction="streaming", **extra),
+        "prefill_end:pyramidkv": KVCacheConfig(method="pyramidkv", **extra),
+        "prefill_end:squeeze": KVCacheConfig(method="squeeze", **extra),
+        "streaming:pyramidkv": KVCacheConfig(method="pyramidkv", eviction="streaming", **extra),
+        "streaming:squeeze": KVCacheConfig(method="squeeze", eviction="streaming", **extra),
     }
     unknown = [n for n in names if n not in table]
     if unknown:
