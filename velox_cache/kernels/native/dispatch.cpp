@@ -1,9 +1,10 @@
-// Picks the loops (loops.cpp, attention_loops.cpp) for the CPU the module runs on.
+// Picks the loops (loops.cpp, attention_loops.cpp, quantized_loops.cpp) for the CPU the module runs on.
 #include <cstdlib>
 #include <cstring>
 
 #include "attention.h"
 #include "loops.h"
+#include "quantized.h"
 
 namespace velox {
 
@@ -16,7 +17,11 @@ const Loops& best_loops() {
   return baseline::loops;
 }
 
-const AttentionLoops& best_attention_loops() {
+namespace {
+
+// The set VELOX_NATIVE_ISA asks for where this CPU runs it, else the fastest it runs (FMA with the x86 sets).
+template <typename Set>
+const Set& pick(const Set& avx512_set, const Set& avx2_set, const Set& baseline_set) {
   const char* asked = std::getenv("VELOX_NATIVE_ISA");
 #if defined(VELOX_HAS_X86_LOOPS)
   __builtin_cpu_init();
@@ -24,14 +29,34 @@ const AttentionLoops& best_attention_loops() {
                       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                       __builtin_cpu_supports("fma");
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (asked != nullptr && std::strcmp(asked, "baseline") == 0) return baseline::attention_loops;
-  if (asked != nullptr && std::strcmp(asked, "avx2") == 0 && avx2) return avx2::attention_loops;
-  if (avx512 && (asked == nullptr || std::strcmp(asked, "avx512") == 0)) return avx512::attention_loops;
-  if (avx2) return avx2::attention_loops;
+  if (asked != nullptr && std::strcmp(asked, "baseline") == 0) return baseline_set;
+  if (asked != nullptr && std::strcmp(asked, "avx2") == 0 && avx2) return avx2_set;
+  if (avx512 && (asked == nullptr || std::strcmp(asked, "avx512") == 0)) return avx512_set;
+  if (avx2) return avx2_set;
 #else
   (void)asked;
+  (void)avx512_set;
+  (void)avx2_set;
 #endif
+  return baseline_set;
+}
+
+}  // namespace
+
+const AttentionLoops& best_attention_loops() {
+#if defined(VELOX_HAS_X86_LOOPS)
+  return pick(avx512::attention_loops, avx2::attention_loops, baseline::attention_loops);
+#else
   return baseline::attention_loops;
+#endif
+}
+
+const QuantizedLoops& best_quantized_loops() {
+#if defined(VELOX_HAS_X86_LOOPS)
+  return pick(avx512::quantized_loops, avx2::quantized_loops, baseline::quantized_loops);
+#else
+  return baseline::quantized_loops;
+#endif
 }
 
 }  // namespace velox

@@ -245,6 +245,7 @@ mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin, i
 
 namespace velox {
 void register_attention(nb::module_& m);  // attention.cpp: VeloxAttention
+void register_quantized(nb::module_& m);  // quantized.cpp: VeloxQuantizedMatmul
 }
 
 NB_MODULE(_ops, m) {
@@ -259,4 +260,5 @@ NB_MODULE(_ops, m) {
         "RoPE of x [..., L, D] by a table of cos and sin [L, dims / 2] (one row per position).");
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"), "silu(gate) * x with a vectorised float32 exp.");
   velox::register_attention(m);
+  velox::register_quantized(m);
 }

@@ -1,0 +1,247 @@
+// The loops of Velox's quantized matmul, out = x @ dequantize(w).T over MLX's
+// affine layout (4 or 8 bits, groups of 32, 64 or 128 values). CMake compiles
+// this file once per instruction set (VELOX_ISA names the namespace) with FMA
+// contraction allowed and -mfma on x86 sets.
+//
+// Each chunk of 2 * LANES values of a weight row is dequantized into two
+// vectors of float32, q * scale + bias as one FMA (at 16-bit scales the
+// product is exact, so the weight is the same float32 that mx.dequantize
+// gives), then multiplied into up to MAX_ROWS rows of x at once, so that the
+// unpacking is shared by the rows of a batch. At 4 bits a chunk's bytes hold
+// its even values in their low nibbles and its odd values in their high ones:
+// prepare_row reorders each row of x the same way once per call, and the
+// nibbles never need to be interleaved. Each (row, output) has two vector
+// accumulators over the row's chunks in order, then one lane sum: the same
+// bits whichever rows share the block, the range or the thread.
+
+#include <algorithm>
+#include <cstring>
+
+#include "quantized.h"
+
+#ifndef VELOX_ISA
+#error "VELOX_ISA must name the instruction set (avx512, avx2 or baseline)"
+#endif
+#define VELOX_STRINGIFY(x) #x
+#define VELOX_NAME(x) VELOX_STRINGIFY(x)
+
+namespace velox::VELOX_ISA {
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int VECTOR_BYTES = 64;
+constexpr int MAX_ROWS = 8;  // 16 accumulators of 32 registers
+#elif defined(__AVX__)
+constexpr int VECTOR_BYTES = 32;
+constexpr int MAX_ROWS = 4;  // 8 accumulators of 16 registers
+#else
+constexpr int VECTOR_BYTES = 16;
+constexpr int MAX_ROWS = 4;
+#endif
+constexpr int LANES = VECTOR_BYTES / 4;
+constexpr int CHUNK = 2 * LANES;  // values per step: two vectors
+constexpr int64_t GROUP_BLOCK = 64;  // groups whose scales and biases are converted to float32 at once
+typedef float Floats __attribute__((vector_size(VECTOR_BYTES)));
+typedef int32_t Ints __attribute__((vector_size(VECTOR_BYTES)));
+typedef uint8_t Bytes __attribute__((vector_size(LANES)));
+
+inline Floats load(const float* p) {
+  Floats v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+// LANES bytes, each widened to an int32 lane.
+inline Ints load_bytes(const uint8_t* p) {
+  Bytes b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, Ints);
+}
+inline Floats to_floats(Ints v) { return __builtin_convertvector(v, Floats); }
+
+inline float lane_sum(Floats v) {
+  float lanes[LANES];
+  std::memcpy(lanes, &v, sizeof lanes);
+  // pairwise, in a fixed order
+  for (int width = LANES / 2; width >= 1; width /= 2)
+    for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
+  return lanes[0];
+}
+
+// IEEE half to float, exactly (subnormals, infinities and NaN included).
+inline float half_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h & 0x7fffu) << 13;
+  float magnitude;
+  std::memcpy(&magnitude, &bits, sizeof magnitude);
+  magnitude *= 0x1.0p112f;  // exponent bias 15 -> 127; a half subnormal becomes a float normal, exactly
+  std::memcpy(&bits, &magnitude, sizeof bits);
+  if (magnitude >= 65536.0f) bits |= 0xffu << 23;  // exponent 31: infinity or NaN
+  bits |= static_cast<uint32_t>(h & 0x8000u) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// LANES halves to floats, exactly (as half_to_float, lane by lane).
+typedef uint16_t Halves __attribute__((vector_size(2 * LANES)));
+inline Floats halves_to_floats(const uint16_t* p) {
+  Halves h;
+  std::memcpy(&h, p, sizeof h);
+  const Ints v = __builtin_convertvector(h, Ints);
+  Ints bits = (v & 0x7fff) << 13;
+  Floats magnitude;
+  std::memcpy(&magnitude, &bits, sizeof magnitude);
+  magnitude = magnitude * 0x1.0p112f;
+  std::memcpy(&bits, &magnitude, sizeof bits);
+  bits |= (magnitude >= 65536.0f) & (0xff << 23);
+  bits |= (v & 0x8000) << 16;
+  Floats f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// `count` scales (or biases) from index `first` on, as float32.
+void load_scales(const void* p, int type, int64_t first, int64_t count, float* to) {
+  if (type == SCALE_FLOAT32) {
+    std::memcpy(to, static_cast<const float*>(p) + first, count * sizeof(float));
+    return;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(p) + first;
+  if (type == SCALE_FLOAT16) {
+    int64_t i = 0;
+    for (; i + LANES <= count; i += LANES) {
+      const Floats f = halves_to_floats(h + i);
+      std::memcpy(to + i, &f, sizeof f);
+    }
+    for (; i < count; ++i) to[i] = half_to_float(h[i]);
+    return;
+  }
+  for (int64_t i = 0; i < count; ++i) {  // bfloat16: the upper half of a float32
+    const uint32_t bits = static_cast<uint32_t>(h[i]) << 16;
+    std::memcpy(to + i, &bits, sizeof bits);
+  }
+}
+
+void prepare_row(const float* x, float* to, int64_t n, int bits) {
+  if (bits != 4) {
+    std::memcpy(to, x, n * sizeof(float));
+    return;
+  }
+  for (int64_t c = 0; c < n; c += CHUNK)
+    for (int i = 0; i < LANES; ++i) {
+      to[c + i] = x[c + 2 * i];
+      to[c + LANES + i] = x[c + 2 * i + 1];
+    }
+}
+
+// Outputs [first, last) of the ROWS rows from `row` on.
+template <int BITS, int ROWS>
+void rows_block(const QuantizedProblem& p, int64_t row, int64_t first, int64_t last) {
+  const int64_t k_total = p.in_features, group = p.group_size, groups = k_total / group;
+  const int64_t row_bytes = k_total * BITS / 8;
+  const float* x[ROWS];
+  for (int r = 0; r < ROWS; ++r) x[r] = p.x + (row + r) * k_total;
+  for (int64_t n = first; n < last; ++n) {
+    const uint8_t* w = p.weights + n * row_bytes;
+    Floats even[ROWS], odd[ROWS];  // even: the chunks' first vectors, odd: their second
+    for (int r = 0; r < ROWS; ++r) even[r] = odd[r] = Floats{};
+    for (int64_t g0 = 0; g0 < groups; g0 += GROUP_BLOCK) {
+      const int64_t count = std::min<int64_t>(GROUP_BLOCK, groups - g0);
+      float scales[GROUP_BLOCK], biases[GROUP_BLOCK];
+      load_scales(p.scales, p.scale_type, n * groups + g0, count, scales);
+      load_scales(p.biases, p.scale_type, n * groups + g0, count, biases);
+      for (int64_t g = 0; g < count; ++g) {
+        const float scale = scales[g], bias = biases[g];
+        for (int64_t k = (g0 + g) * group; k < (g0 + g + 1) * group; k += CHUNK) {
+          Floats w0, w1;
+          if constexpr (BITS == 4) {
+            const Ints q = load_bytes(w + k / 2);
+            w0 = to_floats(q & 15) * scale + bias;
+            w1 = to_floats(q >> 4) * scale + bias;
+          } else {
+            w0 = to_floats(load_bytes(w + k)) * scale + bias;
+            w1 = to_floats(load_bytes(w + k + LANES)) * scale + bias;
+          }
+          for (int r = 0; r < ROWS; ++r) {
+            even[r] += w0 * load(x[r] + k);
+            odd[r] += w1 * load(x[r] + k + LANES);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) p.output[(row + r) * p.out_features + n] = lane_sum(even[r] + odd[r]);
+  }
+}
+
+template <int BITS>
+void run_bits(const QuantizedProblem& p, int64_t first, int64_t last) {
+  int64_t row = 0;
+  for (; row + MAX_ROWS <= p.rows; row += MAX_ROWS) rows_block<BITS, MAX_ROWS>(p, row, first, last);
+  switch (p.rows - row) {
+    case 1: rows_block<BITS, 1>(p, row, first, last); break;
+    case 2: rows_block<BITS, 2>(p, row, first, last); break;
+    case 3: rows_block<BITS, 3>(p, row, first, last); break;
+#if defined(__AVX512F__)
+    case 4: rows_block<BITS, 4>(p, row, first, last); break;
+    case 5: rows_block<BITS, 5>(p, row, first, last); break;
+    case 6: rows_block<BITS, 6>(p, row, first, last); break;
+    case 7: rows_block<BITS, 7>(p, row, first, last); break;
+#endif
+    default: break;
+  }
+}
+
+template <int BITS>
+void dequantize_bits(const QuantizedProblem& p, int64_t first, int64_t last, float* to) {
+  const int64_t k_total = p.in_features, group = p.group_size, groups = k_total / group;
+  const int64_t row_bytes = k_total * BITS / 8;
+  for (int64_t n = first; n < last; ++n) {
+    const uint8_t* w = p.weights + n * row_bytes;
+    float* out = to + n * k_total;
+    for (int64_t g0 = 0; g0 < groups; g0 += GROUP_BLOCK) {
+      const int64_t count = std::min<int64_t>(GROUP_BLOCK, groups - g0);
+      float scales[GROUP_BLOCK], biases[GROUP_BLOCK];
+      load_scales(p.scales, p.scale_type, n * groups + g0, count, scales);
+      load_scales(p.biases, p.scale_type, n * groups + g0, count, biases);
+      for (int64_t g = 0; g < count; ++g) {
+        const float scale = scales[g], bias = biases[g];
+        for (int64_t k = (g0 + g) * group; k < (g0 + g + 1) * group; k += CHUNK) {
+          if constexpr (BITS == 4) {
+            const Ints q = load_bytes(w + k / 2);
+            const Floats w0 = to_floats(q & 15) * scale + bias, w1 = to_floats(q >> 4) * scale + bias;
+            for (int i = 0; i < LANES; ++i) {  // value k + 2i is a low nibble, k + 2i + 1 a high one
+              out[k + 2 * i] = w0[i];
+              out[k + 2 * i + 1] = w1[i];
+            }
+          } else {
+            const Floats w0 = to_floats(load_bytes(w + k)) * scale + bias;
+            const Floats w1 = to_floats(load_bytes(w + k + LANES)) * scale + bias;
+            std::memcpy(out + k, &w0, sizeof w0);
+            std::memcpy(out + k + LANES, &w1, sizeof w1);
+          }
+        }
+      }
+    }
+  }
+}
+
+void dequantize(const QuantizedProblem& p, int64_t first, int64_t last, float* to) {
+  if (p.bits == 4) {
+    dequantize_bits<4>(p, first, last, to);
+  } else {
+    dequantize_bits<8>(p, first, last, to);
+  }
+}
+
+void run(const QuantizedProblem& p, int64_t first, int64_t last) {
+  if (p.bits == 4) {
+    run_bits<4>(p, first, last);
+  } else {
+    run_bits<8>(p, first, last);
+  }
+}
+
+}  // namespace
+
+const QuantizedLoops quantized_loops = {VELOX_NAME(VELOX_ISA), prepare_row, run, dequantize};
+
+}  // namespace velox::VELOX_ISA
