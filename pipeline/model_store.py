@@ -102,18 +102,43 @@ def list_models() -> list[ImportedModel]:
     return found
 
 
+WEIGHTS_MODES = ("float32", "float16", "bfloat16", "quantized")
+
+
 def weights_mode(requested: str | None = None) -> str:
-    """``float32`` on the CPU backend (quantized matmuls are ~50x slower there), else ``quantized``.
+    """``float32`` on the CPU backend, else ``quantized``.
 
     ``requested`` (or ``$VELOX_WEIGHTS``) overrides: ``float32``, ``float16``,
-    ``bfloat16`` or ``quantized``.
+    ``bfloat16`` or ``quantized`` (the model's own quantization: for a GGUF its
+    4-bit / 8-bit blocks; on the CPU its linear layers run Velox's native
+    quantized matmul where it is built, ``velox_cache.kernels.quantized``).
     """
     mode = requested or os.environ.get("VELOX_WEIGHTS")
     if mode:
-        if mode not in ("float32", "float16", "bfloat16", "quantized"):
-            raise ValueError(f"weights: '{mode}' is not one of float32, float16, bfloat16, quantized")
+        if mode not in WEIGHTS_MODES:
+            raise ValueError(f"weights: '{mode}' is not one of {', '.join(WEIGHTS_MODES)}")
         return mode
     return "float32" if backend_name() == "cpu" else "quantized"
+
+
+def dequantize_exactly(model, dtype) -> None:
+    """Replace the model's quantized layers by float ones holding ``dtype`` weights, in place.
+
+    The weights are dequantized in float32 (``q * scale + bias`` rounded once:
+    with a GGUF's 16-bit scales, exactly the values ggml dequantizes a block
+    to), then cast. mlx-lm's ``dequantize_model`` alone dequantizes in the
+    scales' dtype, float16 for a GGUF, which rounds most 4-bit values.
+    """
+    import mlx.core as mx
+    from mlx_lm.utils import dequantize_model
+
+    for _, module in model.named_modules():
+        if "scales" in module and module["scales"].dtype != mx.float32:
+            module["scales"] = module["scales"].astype(mx.float32)
+            if module.get("biases") is not None:
+                module["biases"] = module["biases"].astype(mx.float32)
+    dequantize_model(model)
+    model.set_dtype(dtype)
 
 
 def context_length(model) -> int | None:
@@ -150,15 +175,24 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
 
 
 def load_model(name: str = DEFAULT_MODEL, *, weights: str | None = None):
-    """Load ``(model, tokenizer)`` for a model name, with weights suited to this platform."""
+    """Load ``(model, tokenizer)`` for a model name, with weights suited to this platform.
+
+    ``weights`` (else ``$VELOX_WEIGHTS``, else the platform's default, see
+    ``weights_mode``): a float dtype dequantizes the model's quantized layers
+    exactly (``dequantize_exactly``); ``quantized`` keeps them, and on the CPU
+    backend routes them onto Velox's native quantized matmul
+    (``velox_cache.kernels.quantized.route``).
+    """
     import mlx.core as mx
     import mlx_lm
-    from mlx_lm.utils import dequantize_model
 
     model, tokenizer = mlx_lm.load(str(resolve_model(name)))
     mode = weights_mode(weights)
     if mode != "quantized":
-        model = dequantize_model(model)
-        model.set_dtype(getattr(mx, mode))
-        mx.eval(model.parameters())
+        dequantize_exactly(model, getattr(mx, mode))
+    elif backend_name() == "cpu":
+        from velox_cache.kernels import quantized
+
+        quantized.route(model)
+    mx.eval(model.parameters())
     return model, tokenizer
