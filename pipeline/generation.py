@@ -329,11 +329,9 @@ def frontier_rows(model, reading: Reading, points: list, reference: Reference, s
     is the draft, where the reading has none yet) and of the forcing.
     """
     shared = reading.shared
-    ahead = 0.0
     if not shared.looked_ahead:
-        start = time.perf_counter()
-        shared.look_ahead(reference.token_ids)  # the full output is the draft
-        ahead = time.perf_counter() - start
+        reading.feed_draft(reference.token_ids)  # the full output is the draft (timed for the variants cut after)
+    ahead = reading.look_ahead_seconds
     sampler = TokenChoice(settings, reading.prompt.tokens)
     first_logprobs = sampler.logprobs(shared.logits)
     stacks, layers, cut_seconds = [], [], []

@@ -97,3 +97,18 @@ def test_a_variants_row_and_its_own_frontier_point_agree(job, tmp_path, column):
     pairs = rows(tmp_path / "store.db", f"""select d.{column}, f.{column} from documents d join frontier f
                  on f.document_id = d.document_id and f.variant = d.variant and f.budget = '24'""")
     assert len(pairs) == 4 and all(row == point for row, point in pairs)
+
+
+def test_a_look_ahead_fed_for_the_frontier_still_counts_to_the_variants_that_look_ahead(job, tmp_path):
+    """The full output is fed once, for the frontier and the variants cut after it: each pays for that call."""
+    write_corpus(tmp_path / "corpus.parquet", n=2)
+    variants = [
+        {"name": "full", "method": "full"},
+        {"name": "pyramid", "method": "pyramidkv", "budget": 24, "lookahead": 4},
+        {"name": "squeeze", "method": "squeeze", "budget": 24, "lookahead": 0},
+    ]
+    assert invoke("run", job(frontier=BUDGETS, variants=variants), "-q").exit_code == 0
+    more = rows(tmp_path / "store.db", """select count(*) from documents p join documents f
+                on f.document_id = p.document_id and f.variant = 'full'
+                where p.variant = 'pyramid' and p.reading_seconds > f.reading_seconds""")
+    assert more == [(2,)]
