@@ -160,11 +160,12 @@ class SharedReadings:
     def sharing(item: WorkItem) -> list:
         """The variants of ``item`` that read its bounded prompt and can share one reading.
 
-        None unless two can, or the full variant can and the item measures a frontier.
+        None unless two can, or the full variant can and the item measures a frontier point.
         """
         found = [variant for variant in item.variants if derivable(variant.cache)]
         full = any(variant.cache.method == "full" for variant in found)
-        return found if len(found) > 1 or (full and item.frontier) else []
+        measured = any(derivable(point.variant.cache) for point in item.frontier)
+        return found if len(found) > 1 or (full and measured) else []
 
     def take(self, item: WorkItem, variant, references: "References"):
         """``variant``'s run from ``item``'s shared reading (read now if it is the first); None when it has none.

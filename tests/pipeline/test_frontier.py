@@ -74,6 +74,16 @@ def test_a_variant_that_cannot_share_a_reading_says_so_on_its_frontier_rows(job,
     assert rows(db, "select count(*) from frontier") == [(8,)], "a skipped point is settled, not retried"
 
 
+def test_a_frontier_of_streaming_variants_only_leaves_the_full_variant_alone(job, tmp_path):
+    write_corpus(tmp_path / "corpus.parquet", n=2)
+    variants = [{"name": "full", "method": "full"},
+                {"name": "streamed", "method": "squeeze", "budget": 24, "eviction": "streaming"}]
+    db = tmp_path / "store.db"
+    assert invoke("run", job(frontier=BUDGETS, variants=variants), "-q").exit_code == 0
+    assert rows(db, "select variant, status from documents order by 1") == [("full", "done")] * 2 + [("streamed", "done")] * 2
+    assert rows(db, "select status, count(*) from frontier group by 1") == [("skipped", 4)]
+
+
 def test_frontier_bytes_are_taken_before_teacher_forcing(job, tmp_path, monkeypatch):
     """Where stacks cannot be forced together, each is forced alone: its bytes are still the prompt's."""
     write_corpus(tmp_path / "corpus.parquet", n=2)
