@@ -76,7 +76,9 @@ class Pool {
     return *pool;
   }
 
-  // work(), on the calling thread and on up to `threads` - 1 helpers; returns when every one has returned.
+  // work(), on the calling thread and on up to `threads` - 1 helpers. The caller never waits for a helper to
+  // wake: once its own work() returns (every task claimed) it closes the job, and only helpers that joined
+  // while it was open are waited for.
   void run(unsigned threads, const std::function<void()>& work) {
     std::unique_lock busy(running_, std::try_to_lock);
     const unsigned helpers = std::min(threads > 0 ? threads - 1 : 0, helpers_);
@@ -87,13 +89,17 @@ class Pool {
     {
       std::lock_guard lock(mutex_);
       job_ = &work;
-      joining_ = helpers;
-      pending_.store(helpers, std::memory_order_relaxed);
+      open_ = true;
+      wanted_ = helpers;
       generation_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
     work();
-    while (pending_.load(std::memory_order_acquire) != 0) spin_pause();
+    {
+      std::lock_guard lock(mutex_);
+      open_ = false;
+    }
+    while (active_.load(std::memory_order_acquire) != 0) spin_pause();
   }
 
  private:
@@ -105,25 +111,27 @@ class Pool {
 #endif
   }
 
-  void loop(unsigned index) {
+  void loop(unsigned) {
     uint64_t seen = 0;  // the generation at construction: a job posted before this thread ran is still its
     for (;;) {
       const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(SPIN_MICROSECONDS);
       while (generation_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until) {
         for (int i = 0; i < 16; ++i) spin_pause();
       }
-      const std::function<void()>* job;
-      bool join;
+      const std::function<void()>* job = nullptr;
       {
         std::unique_lock lock(mutex_);
         wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
         seen = generation_.load(std::memory_order_acquire);
-        job = job_;
-        join = index < joining_;
+        if (open_ && wanted_ > 0) {
+          --wanted_;
+          job = job_;
+          active_.fetch_add(1, std::memory_order_acq_rel);
+        }
       }
-      if (join) {
+      if (job != nullptr) {
         (*job)();
-        pending_.fetch_sub(1, std::memory_order_acq_rel);
+        active_.fetch_sub(1, std::memory_order_acq_rel);
       }
     }
   }
@@ -135,8 +143,9 @@ class Pool {
   std::condition_variable wake_;
   std::atomic<uint64_t> generation_{0};
   const std::function<void()>* job_ = nullptr;
-  unsigned joining_ = 0;
-  std::atomic<unsigned> pending_{0};
+  bool open_ = false;    // the job takes helpers (under mutex_)
+  unsigned wanted_ = 0;  // helpers it still takes (under mutex_)
+  std::atomic<unsigned> active_{0};  // helpers inside a job
 };
 
 int scale_type_of(mx::Dtype dtype) {

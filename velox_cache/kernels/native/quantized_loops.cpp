@@ -16,8 +16,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "quantized.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #ifndef VELOX_ISA
 #error "VELOX_ISA must name the instruction set (avx512, avx2 or baseline)"
@@ -50,11 +55,28 @@ inline Floats load(const float* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-// LANES bytes, each widened to an int32 lane.
+// LANES bytes, each widened to an int32 lane (by intrinsics where there are some: GCC lowers
+// __builtin_convertvector of bytes to one scalar extraction per byte).
 inline Ints load_bytes(const uint8_t* p) {
+  Ints v;
+#if defined(__AVX512F__)
+  const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&v, &wide, sizeof v);
+#elif defined(__AVX2__)
+  const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&v, &wide, sizeof v);
+#elif defined(__SSE2__)
+  int32_t word;
+  std::memcpy(&word, p, sizeof word);
+  const __m128i zero = _mm_setzero_si128();
+  const __m128i wide = _mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(word), zero), zero);
+  std::memcpy(&v, &wide, sizeof v);
+#else
   Bytes b;
   std::memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(b, Ints);
+  v = __builtin_convertvector(b, Ints);
+#endif
+  return v;
 }
 inline Floats to_floats(Ints v) { return __builtin_convertvector(v, Floats); }
 
@@ -172,8 +194,97 @@ void rows_block(const QuantizedProblem& p, int64_t row, int64_t first, int64_t l
   }
 }
 
+// Many rows: the weights of PANEL_N output features are dequantized once per call into a panel of float32 (in the
+// order prepare_row gives x), then tiles of PANEL_N features x PANEL_M rows multiply it from registers. Each
+// (row, output) is the same FMAs in the same order as rows_block's: the same bits.
+#if defined(__AVX512F__)
+constexpr int PANEL_N = 4, PANEL_M = 2;  // 16 accumulators, 8 weight vectors, 2 of x: 26 of 32 registers
+#else
+constexpr int PANEL_N = 2, PANEL_M = 2;  // 8 + 4 + 2 of 16 registers
+#endif
+constexpr int64_t PANEL_MIN_ROWS = 4;
+
+// The float32 weights of output feature n, in prepared order: each chunk's first vector then its second.
+template <int BITS>
+void panel_row(const QuantizedProblem& p, int64_t n, float* to) {
+  const int64_t k_total = p.in_features, group = p.group_size, groups = k_total / group;
+  const uint8_t* w = p.weights + n * (k_total * BITS / 8);
+  for (int64_t g0 = 0; g0 < groups; g0 += GROUP_BLOCK) {
+    const int64_t count = std::min<int64_t>(GROUP_BLOCK, groups - g0);
+    float scales[GROUP_BLOCK], biases[GROUP_BLOCK];
+    load_scales(p.scales, p.scale_type, n * groups + g0, count, scales);
+    load_scales(p.biases, p.scale_type, n * groups + g0, count, biases);
+    for (int64_t g = 0; g < count; ++g) {
+      const float scale = scales[g], bias = biases[g];
+      for (int64_t k = (g0 + g) * group; k < (g0 + g + 1) * group; k += CHUNK) {
+        Floats w0, w1;
+        if constexpr (BITS == 4) {
+          const Ints q = load_bytes(w + k / 2);
+          w0 = to_floats(q & 15) * scale + bias;
+          w1 = to_floats(q >> 4) * scale + bias;
+        } else {
+          w0 = to_floats(load_bytes(w + k)) * scale + bias;
+          w1 = to_floats(load_bytes(w + k + LANES)) * scale + bias;
+        }
+        std::memcpy(to + k, &w0, sizeof w0);
+        std::memcpy(to + k + LANES, &w1, sizeof w1);
+      }
+    }
+  }
+}
+
+// Outputs [n0, n0 + NB) of rows [m0, m0 + MR) from the panel ([NB][in_features]).
+template <int NB, int MR>
+void panel_tile(const QuantizedProblem& p, const float* panel, int64_t n0, int64_t m0) {
+  const int64_t k_total = p.in_features;
+  Floats even[NB][MR], odd[NB][MR];
+  for (int i = 0; i < NB; ++i)
+    for (int r = 0; r < MR; ++r) even[i][r] = odd[i][r] = Floats{};
+  for (int64_t k = 0; k < k_total; k += CHUNK) {
+    Floats w0[NB], w1[NB];
+    for (int i = 0; i < NB; ++i) {
+      w0[i] = load(panel + i * k_total + k);
+      w1[i] = load(panel + i * k_total + k + LANES);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const Floats x0 = load(p.x + (m0 + r) * k_total + k), x1 = load(p.x + (m0 + r) * k_total + k + LANES);
+      for (int i = 0; i < NB; ++i) {
+        even[i][r] += w0[i] * x0;
+        odd[i][r] += w1[i] * x1;
+      }
+    }
+  }
+  for (int i = 0; i < NB; ++i)
+    for (int r = 0; r < MR; ++r) p.output[(m0 + r) * p.out_features + n0 + i] = lane_sum(even[i][r] + odd[i][r]);
+}
+
+template <int NB>
+void panel_rows(const QuantizedProblem& p, const float* panel, int64_t n0) {
+  int64_t m = 0;
+  for (; m + PANEL_M <= p.rows; m += PANEL_M) panel_tile<NB, PANEL_M>(p, panel, n0, m);
+  for (; m < p.rows; ++m) panel_tile<NB, 1>(p, panel, n0, m);
+}
+
+template <int BITS>
+void run_panels(const QuantizedProblem& p, int64_t first, int64_t last) {
+  std::vector<float> panel(PANEL_N * p.in_features);
+  int64_t n = first;
+  for (; n + PANEL_N <= last; n += PANEL_N) {
+    for (int i = 0; i < PANEL_N; ++i) panel_row<BITS>(p, n + i, panel.data() + i * p.in_features);
+    panel_rows<PANEL_N>(p, panel.data(), n);
+  }
+  for (; n < last; ++n) {
+    panel_row<BITS>(p, n, panel.data());
+    panel_rows<1>(p, panel.data(), n);
+  }
+}
+
 template <int BITS>
 void run_bits(const QuantizedProblem& p, int64_t first, int64_t last) {
+  if (p.rows >= PANEL_MIN_ROWS) {
+    run_panels<BITS>(p, first, last);
+    return;
+  }
   int64_t row = 0;
   for (; row + MAX_ROWS <= p.rows; row += MAX_ROWS) rows_block<BITS, MAX_ROWS>(p, row, first, last);
   switch (p.rows - row) {
