@@ -319,3 +319,17 @@ def test_a_routed_model_computes_what_mlx_quantized_matmul_does(tiny_model_dir):
     assert routed_tokens == plain_tokens
     scale = mx.abs(plain_logits).max().item()
     assert mx.abs(routed_logits - plain_logits).max().item() <= 1e-4 * scale
+
+
+def test_a_native_module_built_before_the_quantized_matmul_leaves_it_to_mlx(monkeypatch):
+    """A module that loads but lacks the primitive (built from older sources) is not called."""
+
+    class OlderModule:
+        def row_max(self, x):
+            return x.max(axis=-1, keepdims=True)
+
+    monkeypatch.setattr(native, "ops", lambda: OlderModule())
+    assert not quantized.available()
+    x, wq, scales, biases = _inputs(2, 40, 96, 4, 32, "float16")
+    expected = mx.quantized_matmul(x, wq, scales=scales, biases=biases, group_size=32, bits=4)
+    assert mx.array_equal(quantized.quantized_matmul(x, wq, scales, biases, group_size=32, bits=4), expected).item()
