@@ -121,6 +121,18 @@ def weights_mode(requested: str | None = None) -> str:
     return "float32" if backend_name() == "cpu" else "quantized"
 
 
+def hashed_weights(requested: str | None = None) -> dict:
+    """What of the weights decides an output, for the store's keys (``JobSpec.output_settings_hash``).
+
+    The mode, and for weights dequantized from the model's own blocks that they are
+    dequantized exactly (``dequantize_exactly``): rows stored when MLX's dequantize
+    rounded through the scales' float16 came from other weights, so their keys differ
+    and a rerun redoes them instead of keeping their outputs as current.
+    """
+    mode = weights_mode(requested)
+    return {"weights": mode} if mode == "quantized" else {"weights": mode, "dequantized": "exact"}
+
+
 def dequantize_exactly(model, dtype) -> None:
     """Replace the model's quantized layers by float ones holding ``dtype`` weights, in place.
 

@@ -219,7 +219,7 @@ def _run_locked(spec, store, dataset, engine, force, quiet, progress_stream, gua
     try:
         tokenizer, context = _start(spec, engine)
         store.update_run(run_id, workers=engine.workers, address=engine.address)
-        settings_hash = spec.output_settings_hash(weights=model_store.weights_mode())
+        settings_hash = spec.output_settings_hash(**model_store.hashed_weights())
         progress = Progress(total, quiet, progress_stream)
         if spec.input.prompt_column and any(streams(v) for v in spec.variants):
             progress.note(

@@ -125,3 +125,19 @@ def test_a_gguf_path_names_a_model(models_dir, embedded_gguf):
     assert directory.parent == models_dir
     assert (directory / model_import.COMPLETE_MARKER).is_file()
     assert model_store.resolve_model(str(directory)) == directory  # an mlx-lm directory names itself
+
+
+def test_weights_dequantized_exactly_key_other_rows_than_those_of_the_float16_rounding(job, tmp_path):
+    """Rows stored before the float32 weights were ggml's exact values came from other weights: other keys."""
+    from pipeline.spec import load_spec
+    from tests.pipeline.helpers import invoke, rows, write_corpus
+
+    assert model_store.hashed_weights("float32") == {"weights": "float32", "dequantized": "exact"}
+    assert model_store.hashed_weights("quantized") == {"weights": "quantized"}
+    write_corpus(tmp_path / "corpus.parquet", n=1)
+    path = job(variants=[{"name": "full", "method": "full"}])
+    assert invoke("run", path, "-q").exit_code == 0
+    spec = load_spec(str(path))
+    before = spec.output_settings_hash(weights=model_store.weights_mode())
+    stored = rows(tmp_path / "store.db", "select settings_hash from documents")
+    assert stored == [(spec.output_settings_hash(**model_store.hashed_weights()),)] and stored != [(before,)]
