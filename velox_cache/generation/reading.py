@@ -193,6 +193,8 @@ class SharedReading:
         ``repeat`` (``prefill_phases``).
         """
         configs = list(configs)
+        if all(config.method == "full" for config in configs):
+            raise NotDerivable("configs: no compressed config to cut; the full cache reads the prompt on its own")
         length = len(prefix) + len(document) + len(instruction)
         context = context_length or model_context(model)
         if context is not None and length + max_new_tokens > context:

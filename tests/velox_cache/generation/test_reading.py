@@ -116,6 +116,13 @@ def test_a_config_that_evicts_while_reading_is_refused_by_name(tiny_model, confi
         SharedReading.prefill(model, [config], document=document, instruction=instruction)
 
 
+def test_a_reading_with_nothing_to_cut_is_refused_by_name(tiny_model):
+    model, tokenizer = tiny_model
+    document, instruction = _prompt(tokenizer)
+    with pytest.raises(NotDerivable, match="no compressed config"):
+        SharedReading.prefill(model, [KVCacheConfig(method="full")], document=document, instruction=instruction)
+
+
 def test_a_config_the_reading_did_not_record_is_refused(reading):
     with pytest.raises(NotDerivable, match="did not record"):
         reading.derive(KVCacheConfig(method="snapkv", budget=24, window=8))
