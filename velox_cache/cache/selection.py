@@ -35,7 +35,13 @@ def pooled_mass(probs: mx.array, kernel: int) -> mx.array:
 
 
 class WindowSelector:
-    """Remembers the latest ``window`` queries (or proxy keys) and ranks held keys by their pooled attention."""
+    """Remembers the latest ``window`` queries (or proxy keys) and ranks held keys by their pooled attention.
+
+    Selectors that adopted one source's window (``adopt``: one layer of every stack cut
+    from a shared reading) share the rankings it gives until any of them remembers,
+    keeps or clears anything: a layer's ranking does not depend on its budget, so
+    every budget of a policy cut from one reading ranks once.
+    """
 
     def __init__(self, window: int, kernel: Optional[int]):
         self.window = window
@@ -45,6 +51,7 @@ class WindowSelector:
         self.queries: Optional[mx.array] = None  # [B, H*R, W, D]
         self.positions: Optional[mx.array] = None  # [W], the position of each query
         self.mass: Optional[mx.array] = None  # [B, H, W, N]: each window row's attention, kept as computed
+        self._rankings: Optional[dict] = None  # what ``scores`` gave, shared by the selectors of one adopted window
 
     @property
     def arrays(self) -> list:
@@ -69,27 +76,39 @@ class WindowSelector:
     def clear(self) -> None:
         self.queries = self.positions = self.mass = self.peak = None
         self.extra = 0
+        self._changed()
+
+    def _changed(self) -> None:
+        """What this selector remembers is its own from now on: rankings are no longer shared."""
+        self._rankings = None
 
     def remember_peak(self, peak: mx.array) -> None:
         """Fold a reconstruction call's largest attention per held key ``[B, H, N]`` into the running maximum."""
         self.peak = peak if self.peak is None else mx.maximum(self.peak, peak)
+        self._changed()
 
     def widen(self, rows: int) -> None:
         """Keep ``rows`` more queries from now until ``clear``: drafted ones, added after the prompt's window."""
         self.extra += rows
+        self._changed()
 
     def adopt(self, other: "WindowSelector") -> None:
-        """Remember what ``other`` remembers (same ``window`` and ``kernel``), sharing no array with it."""
+        """Remember what ``other`` remembers (same ``window`` and ``kernel``), sharing no array with it
+        (its rankings are shared, until either changes: see the class doc)."""
         if (other.window, other.kernel) != (self.window, self.kernel):
             raise ValueError(f"window, kernel: {other.window}, {other.kernel} read, {self.window}, {self.kernel} asked")
         for name in ("queries", "positions", "mass", "peak"):
             value = getattr(other, name)
             setattr(self, name, None if value is None else mx.array(value))
         self.extra = other.extra
+        if other._rankings is None:
+            other._rankings = {}
+        self._rankings = other._rankings
 
     def remember(self, queries: mx.array, first_position: int) -> None:
         """Add a call's queries ``[B, H*R, S, D]`` at positions ``first_position ..``; keep the last ``window``."""
         self.mass = None
+        self._changed()
         window = self.rows
         n_new = queries.shape[2]
         positions = mx.arange(first_position, first_position + n_new, dtype=mx.int32)
@@ -115,6 +134,7 @@ class WindowSelector:
         Earlier rows never saw this call's keys: they get zero mass there.
         """
         self.queries = self.positions = None
+        self._changed()
         if self.mass is not None and row_mass.shape[2] < self.rows:
             earlier = _pad_keys(self.mass, row_mass.shape[-1])
             row_mass = mx.concatenate([earlier, row_mass], axis=2)
@@ -122,6 +142,7 @@ class WindowSelector:
 
     def keep(self, indices: mx.array, n_slots: int) -> None:
         """The ``n_slots`` held slots became ``indices`` ``[B, H, K]`` of them: keep the kept mass in step."""
+        self._changed()
         if self.peak is not None:
             self.peak = mx.take_along_axis(_pad_keys(self.peak, n_slots), indices, axis=-1)
         if self.mass is None:
@@ -140,8 +161,17 @@ class WindowSelector:
         queries (default ``D ** -0.5``). ``slots`` (the ``TokenSlots`` that
         hold ``keys``) says which keys each query head sees and pools by head
         where the layer's heads share one buffer (per-head budgets). Attention
-        kept as computed is used as it is.
+        kept as computed is used as it is. Shared with the selectors that adopted
+        the same window, for the same keys (see the class doc).
         """
+        if self._rankings is None:
+            return self._scores(keys, key_positions, scale, slots)
+        asked = (tuple(keys.shape), scale, self.pooling, None if slots is None else type(slots).__name__)
+        if asked not in self._rankings:
+            self._rankings[asked] = self._scores(keys, key_positions, scale, slots)
+        return mx.array(self._rankings[asked])  # a copy: whoever takes it may write into it
+
+    def _scores(self, keys: mx.array, key_positions: mx.array, scale: Optional[float], slots) -> mx.array:
         pool = attention.max_pool if slots is None else slots.pool
         if self.peak is not None:
             return pool(self._peaks(keys, key_positions, scale), self.pooling)

@@ -126,3 +126,26 @@ def test_a_reading_with_nothing_to_cut_is_refused_by_name(tiny_model):
 def test_a_config_the_reading_did_not_record_is_refused(reading):
     with pytest.raises(NotDerivable, match="did not record"):
         reading.derive(KVCacheConfig(method="snapkv", budget=24, window=8))
+
+
+@pytest.mark.parametrize("fields", [{"method": "pyramidkv"}, {"method": "squeeze", "head_budgets": "adaptive"},
+                                    {"method": "snapkv", "selection": "reconstruction"}], ids=lambda f: f["method"])
+def test_every_budget_of_a_policy_is_ranked_once_and_each_equals_its_own_prefill(tiny_model, monkeypatch, fields):
+    import velox_cache.cache.selection as selection
+
+    model, tokenizer = tiny_model
+    document, instruction = _prompt(tokenizer)
+    configs = [KVCacheConfig(**fields, budget=budget) for budget in (16, 24, "50%")]
+    shared = SharedReading.prefill(model, configs, document=document, instruction=instruction, chunk_size=32,
+                                   max_new_tokens=STEPS, repeat=REPEAT)
+    ranked, rank = [], selection.WindowSelector._scores
+    monkeypatch.setattr(selection.WindowSelector, "_scores", lambda *a, **k: ranked.append(1) or rank(*a, **k))
+    derived = [shared.derive(config) for config in configs]
+    monkeypatch.undo()
+    assert 0 < len(ranked) <= len(derived[0])  # at most once per layer, for all three budgets
+    for config, stack in zip(configs, derived):
+        own, _ = _own(model, config, document, instruction)
+        for mine, theirs in zip(phases.leaves(stack), phases.leaves(own)):
+            assert mine.layer_budget == theirs.layer_budget
+            for a, b in zip(_held(mine), _held(theirs)):
+                assert (mx.array_equal(a, b).item() if isinstance(a, mx.array) else a == b)
