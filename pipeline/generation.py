@@ -325,8 +325,9 @@ def frontier_rows(model, reading: Reading, points: list, reference: Reference, s
     cut from the reading, its bytes taken there (when prefill ends, as a document row's),
     then teacher-forced on ``reference`` (all in one batched call, as
     ``teacher_force_together``): one row per point with its agreement, NLL gap and bytes.
-    ``seconds``: the point's cut, and its share of the look-ahead's call (the full output
-    is the draft, where the reading has none yet) and of the forcing.
+    ``seconds``: its share of cutting its variant's points (one ranking per layer serves
+    every budget), of the look-ahead's call (the full output is the draft, where the
+    reading has none yet) and of the forcing.
     """
     shared = reading.shared
     if not shared.looked_ahead:
@@ -347,8 +348,12 @@ def frontier_rows(model, reading: Reading, points: list, reference: Reference, s
         fidelities = teacher_force_together(
             model, [(stack, first_logprobs, reference, choice) for stack, choice in zip(stacks, choices)]
         )
+    cuts: dict = {}  # each variant's cuts share one ranking per layer (the first cut makes it): shared equally
+    for (name, _, _), cut in zip(points, cut_seconds):
+        cuts.setdefault(name, []).append(cut)
     rows = []
-    for (name, budget, config), rows_of_layers, fidelity, cut in zip(points, layers, fidelities, cut_seconds):
+    for (name, budget, config), rows_of_layers, fidelity in zip(points, layers, fidelities):
+        cut = sum(cuts[name]) / len(cuts[name])
         kept = sum(row["kept_bytes"] for row in rows_of_layers)
         full = sum(row["full_seq_bytes"] for row in rows_of_layers)
         rows.append({

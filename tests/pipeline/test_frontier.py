@@ -122,3 +122,13 @@ def test_a_look_ahead_fed_for_the_frontier_still_counts_to_the_variants_that_loo
                 on f.document_id = p.document_id and f.variant = 'full'
                 where p.variant = 'pyramid' and p.reading_seconds > f.reading_seconds""")
     assert more == [(2,)]
+
+
+def test_a_points_seconds_do_not_depend_on_which_budget_was_cut_first(job, tmp_path):
+    """One ranking per layer serves every budget of a variant: its points share the cutting equally."""
+    write_corpus(tmp_path / "corpus.parquet", n=2)
+    db = tmp_path / "store.db"
+    assert invoke("run", job(frontier={"budgets": [8, 24, "50%"]}), "-q").exit_code == 0
+    per_document = rows(db, "select document_id, variant, count(*), count(distinct seconds), min(seconds) > 0 "
+                            "from frontier where status = 'done' group by 1, 2 order by 1, 2")
+    assert per_document == [(d, v, 3, 1, 1) for d in ("doc-0", "doc-1") for v in ("pyramid", "squeeze")]
