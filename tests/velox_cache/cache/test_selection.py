@@ -16,11 +16,17 @@ def _keys():
     return keys, mx.broadcast_to(mx.arange(16, dtype=mx.int32), (1, 2, 16))
 
 
-def test_selectors_that_adopted_one_window_rank_alike_and_a_changed_one_ranks_its_own():
-    source, keys = _window(0), _keys()
+def _two_adopting(source: WindowSelector) -> tuple:
+    """Two selectors that adopted ``source``'s window, as two stacks cut from one reading do."""
     first, second = WindowSelector(4, 1), WindowSelector(4, 1)
     first.adopt(source)
     second.adopt(source)
+    return first, second
+
+
+def test_selectors_that_adopted_one_window_rank_alike_and_a_changed_one_ranks_its_own():
+    keys = _keys()
+    first, second = _two_adopting(_window(0))
     shared = first.scores(*keys)
     assert mx.array_equal(second.scores(*keys), shared).item()
     assert mx.array_equal(_window(0).scores(*keys), shared).item()  # what a selector of its own gives
@@ -38,10 +44,8 @@ def _own_after_remember(keys):
 
 
 def test_a_ranking_taken_is_a_copy_its_taker_may_write_into():
-    source, keys = _window(0), _keys()
-    first, second = WindowSelector(4, 1), WindowSelector(4, 1)
-    first.adopt(source)
-    second.adopt(source)
+    keys = _keys()
+    first, second = _two_adopting(_window(0))
     taken = first.scores(*keys)
     expected = mx.array(taken)
     taken[..., :4] = 0.0
