@@ -53,7 +53,8 @@ def main(argv=None) -> None:
     seconds = {"one per variant": 0.0, "one reading": 0.0}
     peaks = {"one per variant": 0, "one reading": 0}
     done, tokens = 0, 0
-    least = {}  # (topic, variant, way) -> the least prefill_seconds stored
+    variant_names = [variant.name for variant in spec.variants]  # configs[i] is variant_names[i]'s
+    least = {}  # (topic, variant name, way) -> the least prefill_seconds stored
     for document in iter_documents(spec, open_dataset(spec)):
         if done == args.documents:
             break
@@ -62,25 +63,25 @@ def main(argv=None) -> None:
         except PromptTooLong:
             continue
         for _ in range(args.repeats - 1):  # the extra runs only lower the least seconds
-            for config, run in zip(configs, [prefill_variant(model, tokenizer, prompt, c, spec.generation) for c in configs]):
-                _keep_least(least, (done, config.method, "alone"), run.prefill_seconds)
-            for config, run in zip(configs, prefill_shared(model, tokenizer, prompt, configs, spec.generation)):
-                _keep_least(least, (done, config.method, "shared"), run.prefill_seconds)
+            for name, run in zip(variant_names, [prefill_variant(model, tokenizer, prompt, c, spec.generation) for c in configs]):
+                _keep_least(least, (done, name, "alone"), run.prefill_seconds)
+            for name, run in zip(variant_names, prefill_shared(model, tokenizer, prompt, configs, spec.generation)):
+                _keep_least(least, (done, name, "shared"), run.prefill_seconds)
         start = time.perf_counter()
         alone = [prefill_variant(model, tokenizer, prompt, config, spec.generation) for config in configs]
         seconds["one per variant"] += time.perf_counter() - start
         peaks["one per variant"] = max(peaks["one per variant"], *(run.prefill_peak_bytes for run in alone))
         kept_alone = [[c.slots.held_positions().tolist() for c in run.row.caches if hasattr(c, "slots")] for run in alone]
-        for config, run in zip(configs, alone):
-            _keep_least(least, (done, config.method, "alone"), run.prefill_seconds)
+        for name, run in zip(variant_names, alone):
+            _keep_least(least, (done, name, "alone"), run.prefill_seconds)
         del alone
         start = time.perf_counter()
         shared = prefill_shared(model, tokenizer, prompt, configs, spec.generation)
         seconds["one reading"] += time.perf_counter() - start
         peaks["one reading"] = max(peaks["one reading"], *(run.prefill_peak_bytes for run in shared))
         kept_shared = [[c.slots.held_positions().tolist() for c in run.row.caches if hasattr(c, "slots")] for run in shared]
-        for config, run in zip(configs, shared):
-            _keep_least(least, (done, config.method, "shared"), run.prefill_seconds)
+        for name, run in zip(variant_names, shared):
+            _keep_least(least, (done, name, "shared"), run.prefill_seconds)
         if kept_shared != kept_alone:
             raise SystemExit(f"{document.document_id}: a cut stack keeps other tokens than its own prefill")
         del shared
@@ -88,8 +89,8 @@ def main(argv=None) -> None:
         done += 1
         tokens += len(prompt.tokens)
         print(f"# {document.document_id}: {len(prompt.tokens)} tokens", flush=True)
-    names = ", ".join(f"{v.name}" for v in spec.variants)
-    print(f"\nPrefill of {done} topics ({tokens:,} prompt tokens), variants {names} (compressed at prefill_end)\n")
+    print(f"\nPrefill of {done} topics ({tokens:,} prompt tokens), variants {', '.join(variant_names)} "
+          "(compressed at prefill_end)\n")
     print("| way | seconds | documents per hour | largest prefill peak above the weights (MiB) |")
     print("|---|---|---|---|")
     for way in seconds:
@@ -98,11 +99,11 @@ def main(argv=None) -> None:
     print(f"\nprefill_seconds as stored, each topic's least of {args.repeats} run(s), ways interleaved topic by topic\n")
     print("| variant | alone | shared | shared / alone | topics within 10% |")
     print("|---|---|---|---|---|")
-    for config in configs:
-        pairs = [(least[(i, config.method, "alone")], least[(i, config.method, "shared")]) for i in range(done)]
+    for name in variant_names:
+        pairs = [(least[(i, name, "alone")], least[(i, name, "shared")]) for i in range(done)]
         alone, shared = sum(a for a, _ in pairs), sum(s for _, s in pairs)
         within = sum(abs(s / a - 1) <= 0.10 for a, s in pairs)
-        print(f"| {config.method} | {alone:.1f} | {shared:.1f} | {shared / alone:.2f} | {within} of {done} |")
+        print(f"| {name} | {alone:.1f} | {shared:.1f} | {shared / alone:.2f} | {within} of {done} |")
 
 
 def _keep_least(least: dict, key: tuple, seconds: float) -> None:
