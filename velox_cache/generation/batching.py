@@ -175,6 +175,11 @@ class RowCounts:
         for name in (*self.FIELDS, "evicting", "budget", "per_step"):
             setattr(self, name, getattr(self, name)[indices])
 
+    def extend(self, other: "RowCounts") -> None:
+        """``other``'s rows after these (same heads)."""
+        for name in (*self.FIELDS, "evicting", "budget", "per_step"):
+            setattr(self, name, np.concatenate([getattr(self, name), getattr(other, name)]))
+
     def copy(self) -> tuple:
         return tuple(getattr(self, name).copy() for name in self.FIELDS)
 
@@ -407,6 +412,38 @@ class BatchedLayer(_BaseCache):
         slots.scores, slots.positions = flattened(self.scores[index]), flattened(self.positions[index])
         heads = mx.broadcast_to(mx.arange(n_heads, dtype=mx.int32)[:, None], (n_heads, width))
         slots.set_heads(flattened(heads)[0, 0])
+
+    def join(self, other: "BatchedLayer") -> None:
+        """``other``'s rows join this batch after its own (mlx-lm's ``BatchKVCache.extend``): continuous batching.
+
+        ``other`` is the same layer batched from rows that have not decoded in this
+        batch (``batch_layers`` of newly prefilled stacks); both buffers are padded to
+        the wider one. Each row's counts, settings and slots are its own, so every row
+        decodes on as it would have in either batch. Raises ``BatchUnsupported`` (and
+        leaves this batch as it was) when the rows differ in heads, head dims or dtypes.
+        """
+        mine = (self.keys.shape[1], self.keys.shape[3], self.values.shape[3], self.keys.dtype, self.values.dtype)
+        theirs = (other.keys.shape[1], other.keys.shape[3], other.values.shape[3], other.keys.dtype, other.values.dtype)
+        if mine != theirs:
+            raise BatchUnsupported(f"layer {self.layer}: rows differ in heads, head dims or dtypes: {mine} and {theirs}")
+        width = max(self.keys.shape[2], other.keys.shape[2])
+
+        def joined(a: mx.array, b: mx.array) -> mx.array:
+            return mx.concatenate([_pad(a, width, axis=2), _pad(b, width, axis=2)])
+
+        if self._flat is not None or other._flat is not None:
+            self._flat = joined(self._flat_or_zeros(), other._flat_or_zeros())
+        self.keys, self.values = joined(self.keys, other.keys), joined(self.values, other.values)
+        self.scores, self.positions = joined(self.scores, other.scores), joined(self.positions, other.positions)
+        self._offset = mx.concatenate([self._offset, other._offset])
+        self.rows = self.rows + other.rows
+        self.counts.extend(other.counts)
+        self._settings()
+        self._valid = None
+
+    def _flat_or_zeros(self) -> mx.array:
+        """``[B, H, T]`` flat slots; zeros where no row is pooled (only pooled rows read theirs)."""
+        return self._flat if self._flat is not None else mx.zeros(self.scores.shape, mx.int32)
 
     def filter(self, indices: list[int]) -> None:
         """Only rows ``indices`` stay in the batch (finished rows leave; ``extract`` them first)."""

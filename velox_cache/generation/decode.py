@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -77,7 +77,12 @@ class DecodeRow:
 
 
 def decode_rows(
-    model, rows: Iterable[DecodeRow], *, batch: bool = True, pipelined: Optional[bool] = None
+    model,
+    rows: Iterable[DecodeRow],
+    *,
+    batch: bool = True,
+    pipelined: Optional[bool] = None,
+    refill: Optional[Callable[[list[DecodeRow]], Sequence[DecodeRow]]] = None,
 ) -> list[DecodeRow]:
     """Generate for every row (see the module doc); returns the rows, each done.
 
@@ -95,15 +100,30 @@ def decode_rows(
     kinds that do not batch, RoPE that needs one offset) decode alone too.
     Batched decoding needs the model's attention routed
     (``velox_cache.observe`` or ``velox_cache.fast_attention``).
+
+    ``refill`` (continuous batching, as mlx-lm's ``BatchGenerator``): called with
+    the rows decoding together whenever that set changes (before the first step,
+    and after rows leave), it returns more prefilled rows to join the batch now
+    (none: the batch goes on as it is). It is called until it returns none with
+    no row left; the rows it gave are returned after ``rows``, in the order given.
+    A row decodes to the same tokens whichever rows it joins (``BatchedLayer.join``).
     """
     rows = list(rows)
     live = [row for row in rows if not row.done]
-    if batch and len(live) > 1:
-        _decode_together(model, live, True if pipelined is None else pipelined)
+    if batch and (len(live) > 1 or refill is not None):
+        rows += _decode_together(model, live, True if pipelined is None else pipelined, refill)
     alone_pipelined = mx.default_device() == mx.gpu if pipelined is None else pipelined
-    for row in live:
+    for row in rows:
         if not row.done:
             decode_alone(model, row, pipelined=alone_pipelined)
+    while refill is not None:  # unbatched, or what is left once a batch could not go on: one row at a time
+        more = list(refill([]))
+        if not more:
+            break
+        for row in more:
+            if not row.done:
+                decode_alone(model, row, pipelined=alone_pipelined)
+        rows += more
     return rows
 
 
@@ -165,26 +185,75 @@ def _take_together(rows: list[DecodeRow], chosen: mx.array, values: mx.array) ->
         row.take(token, value)
 
 
-def _decode_together(model, rows: list[DecodeRow], pipelined: bool) -> None:
+def _decode_together(model, rows: list[DecodeRow], pipelined: bool, refill=None) -> list[DecodeRow]:
+    """Decode ``rows`` and what ``refill`` gives in one batch; returns the rows ``refill`` gave.
+
+    Rows that cannot batch (``BatchUnsupported``) are left with their pending token
+    for decoding alone; so is every row when the batch cannot go on.
+    """
+    joined: list[DecodeRow] = []
+    layers: Optional[list] = None
+    in_batch: list[DecodeRow] = []
+    waiting = _first_tokens(rows)
+    if refill is None and len(waiting) < 2:
+        return joined  # one row decodes alone
+    while True:
+        more = list(refill(list(in_batch))) if refill is not None else []
+        joined += more
+        waiting += _first_tokens(more)
+        if waiting:
+            try:  # nothing of the rows' own caches is touched before a step has run with them
+                batched = batch_layers([row.caches for row in waiting])
+                if layers is None:
+                    layers = batched
+                else:
+                    for layer, new in zip(layers, batched):
+                        layer.join(new)
+                in_batch += waiting
+            except BatchUnsupported:
+                pass  # these rows decode alone from their pending token
+            waiting = []
+        if not in_batch:
+            if more:
+                continue  # what refill gave stopped at once or cannot batch: ask again
+            return joined
+        if not _steps_until_a_row_leaves(model, layers, in_batch, pipelined):
+            return joined  # every row left the batch: each goes on alone
+        remaining = [i for i, row in enumerate(in_batch) if not row.done]
+        in_batch = [in_batch[i] for i in remaining]
+        if in_batch:
+            for layer in layers:
+                layer.filter(remaining)
+        else:
+            layers = None
+
+
+def _first_tokens(rows: list[DecodeRow]) -> list[DecodeRow]:
+    """Each row's first token, from the log-probabilities its prefill left; the rows that go on."""
+    rows = [row for row in rows if not row.done]
+    if not rows:
+        return []
     start = time.perf_counter()
     _take_together(rows, *_sample_together(rows, mx.concatenate([row.logprobs for row in rows], axis=0)))
     _share(rows, time.perf_counter() - start, batched=False)
-    in_batch = [row for row in rows if not row.done]
-    if len(in_batch) < 2:
-        return
+    return [row for row in rows if not row.done]
+
+
+def _steps_until_a_row_leaves(model, layers: list, in_batch: list[DecodeRow], pipelined: bool) -> bool:
+    """Batched steps until at least one row is done; the done rows leave (their state written back).
+
+    False when the batch cannot go on (``BatchUnsupported``): every row has left it, as it was
+    before the step that failed.
+    """
     start = time.perf_counter()
-    try:  # nothing of the rows' own caches is touched before the first step has run
-        layers = batch_layers([row.caches for row in in_batch])
-        logits = _batched_step(model, layers, mx.array([[row.pending] for row in in_batch]))[0]
-    except BatchUnsupported:
-        return  # each row decodes alone from its pending token
-    while in_batch:
+    logits = None
+    while True:
         if logits is None:
             try:
                 logits = _batched_step(model, layers, mx.array([[row.pending] for row in in_batch]))[0]
             except BatchUnsupported:  # the layers are as before the step: each row goes on alone
                 _leave(layers, range(len(in_batch)))
-                return
+                return False
         for row in in_batch:
             row.pending = None
         chosen, values = _sample_together(in_batch, _logprobs_together(in_batch, logits))
@@ -205,15 +274,10 @@ def _decode_together(model, rows: list[DecodeRow], pipelined: bool) -> None:
         ahead = None  # gone before the step ahead is evaluated, so its buffers update in place
         if alone:
             _leave(layers, range(len(in_batch)))
-            return
-        if not finished:
-            continue
-        _leave(layers, finished)
-        remaining = [i for i, row in enumerate(in_batch) if not row.done]
-        in_batch = [in_batch[i] for i in remaining]
-        if in_batch:
-            for layer in layers:
-                layer.filter(remaining)
+            return False
+        if finished:
+            _leave(layers, finished)
+            return True
 
 
 def _batched_step(model, layers: list, tokens: mx.array) -> tuple[mx.array, list]:

@@ -1,0 +1,98 @@
+"""Continuous batching: rows that join a running batch (``decode_rows(refill=...)``) decode as they do alone."""
+
+import mlx.core as mx
+import pytest
+
+import velox_cache
+from velox_cache.generation.batching import BatchedLayer, BatchUnsupported
+from velox_cache.generation.decode import decode_rows
+
+from tests.velox_cache.generation.test_batching_head_budgets import BATCHES, _assert_same, _prompt, _row
+
+
+def _rows(model, batch_rows, eos=None):
+    return [
+        _row(model, _prompt(length, i), config, limit, (eos or {}).get(i, ()), seed=i)
+        for i, (config, length, limit) in enumerate(batch_rows)
+    ]
+
+
+class Queue:
+    """A refill that hands out one waiting row whenever fewer than ``width`` rows decode; records what it saw."""
+
+    def __init__(self, rows, width: int):
+        self.rows, self.width = list(rows), width
+        self.seen: list[int] = []  # the batch's size at each call
+
+    def __call__(self, in_batch):
+        self.seen.append(len(in_batch))
+        if self.rows and len(in_batch) < self.width:
+            return [self.rows.pop(0)]
+        return []
+
+
+def _alone(model, batch_rows, eos=None):
+    rows = _rows(model, batch_rows, eos)
+    with velox_cache.observe(model):
+        decode_rows(model, rows, batch=False, pipelined=False)
+    return rows
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+@pytest.mark.parametrize("name", ["mixed", "adaptive", "below-budget"])
+def test_rows_joining_a_running_batch_decode_as_alone(tiny_model, name, pipelined):
+    model, _ = tiny_model
+    alone = _alone(model, BATCHES[name])
+    first, *waiting = _rows(model, BATCHES[name])
+    queue = Queue(waiting, width=2)
+    with velox_cache.observe(model):
+        rows = decode_rows(model, [first], pipelined=pipelined, refill=queue)
+    assert rows[0] is first and len(rows) == len(alone)
+    assert not queue.rows and 1 in queue.seen  # rows joined a batch that was decoding
+    assert max(row.batch_size for row in rows) == 2
+    _assert_same(alone, rows)
+
+
+def test_rows_join_after_rows_that_stopped_at_eos(tiny_model):
+    model, _ = tiny_model
+    first = _alone(model, BATCHES["mixed"])
+    eos = {0: (first[0].tokens[1],), 2: (first[2].tokens[3],)}
+    alone = _alone(model, BATCHES["mixed"], eos)
+    assert alone[0].stop_reason == "eos"
+    rows = _rows(model, BATCHES["mixed"], eos)
+    queue = Queue(rows[2:], width=3)
+    with velox_cache.observe(model):
+        decoded = decode_rows(model, rows[:2], refill=queue)
+    _assert_same(alone, decoded)
+
+
+def test_a_refill_row_that_stops_at_its_first_token_never_joins(tiny_model):
+    model, _ = tiny_model
+    first = _alone(model, BATCHES["mixed"])
+    eos = {1: (first[1].tokens[0],)}  # row 1 stops before it is fed anything
+    alone = _alone(model, BATCHES["mixed"], eos)
+    rows = _rows(model, BATCHES["mixed"], eos)
+    with velox_cache.observe(model):
+        decoded = decode_rows(model, rows[:1], refill=Queue(rows[1:], width=2))
+    assert decoded[1].tokens == [] and decoded[1].stop_reason == "eos"
+    _assert_same(alone, decoded)
+
+
+def test_unbatched_decoding_still_takes_every_refill_row(tiny_model):
+    model, _ = tiny_model
+    alone = _alone(model, BATCHES["mixed"])
+    rows = _rows(model, BATCHES["mixed"])
+    with velox_cache.observe(model):
+        decoded = decode_rows(model, rows[:1], batch=False, refill=Queue(rows[1:], width=1))
+    assert len(decoded) == len(alone) and all(row.batch_size == 1 for row in decoded)
+    _assert_same(alone, decoded)
+
+
+def test_a_layer_joins_rows_of_its_own_shape_only(tiny_model):
+    model, _ = tiny_model
+    rows = _rows(model, BATCHES["mixed"][:2])
+    layer, other = BatchedLayer([rows[0].caches[0]]), BatchedLayer([rows[1].caches[0]])
+    other.keys = other.keys.astype(mx.float16)
+    with pytest.raises(BatchUnsupported, match="dtypes"):
+        layer.join(other)
+    assert len(layer.rows) == 1
