@@ -8,7 +8,7 @@ exception: the other variants of the document still run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from velox_cache.generation.reading import NotDerivable, derivable, reading_recipe
 
@@ -23,6 +23,7 @@ from .generation import (
     read_shared,
 )
 from .plan import FrontierPoint, WorkItem
+from .schedule import DecodeAdmission, variant_order
 from .platform import set_blas_threads
 from .reference import Reference
 
@@ -89,39 +90,27 @@ def execute(model, tokenizer, item: WorkItem) -> list:
 def execute_group(model, tokenizer, items: list[WorkItem]) -> list[list]:
     """``execute`` for several documents at once, their variants decoding in batches; outcomes per item.
 
-    Variant by variant (the full cache first, so that its outputs are the
-    references of the others), each due document is prefilled in turn and the
-    prefilled ones decode together: ``generation.decode_batch_size`` of them,
-    fewer once their caches hold ``generation.decode_batch_memory_mb``. The
-    outcomes are those ``execute`` gives each item alone (timings aside).
-    Frontier points are measured from the full variant's reading right after it
-    decoded, else (no full variant due, or it was redone alone) from a reading of
-    their own once the item's variants are done.
+    Variant by variant (``schedule.variant_order``: the full cache first, so that
+    its outputs are the references of the others), each due document is prefilled
+    when the decoding batch has room for it and joins the batch
+    (``schedule.DecodeAdmission``: ``generation.decode_batch_size`` rows at most,
+    their caches within ``generation.decode_batch_memory_mb``); a finished row's
+    place goes to the next document. The outcomes are those ``execute`` gives each
+    item alone (timings aside). Frontier points are measured from the full
+    variant's reading once its variant has decoded, else (no full variant due, or it
+    was redone alone) from a reading of their own once the item's variants are done.
     """
     if not items:
         return []
-    settings = items[0].generation
-    cap = settings.decode_batch_memory_mb * 2**20
     outcomes = {item.index: {} for item in items}
     references = References(items)
     readings = SharedReadings(model, tokenizer)
     frontiers: dict[int, FrontierOutcome] = {}
-    names = list(dict.fromkeys(variant.name for item in items for variant in item.variants))
-    full = {variant.name for item in items for variant in item.variants if variant.cache.method == "full"}
-    names.sort(key=lambda name: name not in full)  # the references first, whichever item comes first
-    for name in names:
-        pending = []
-        for item in items:
-            variant = next((v for v in item.variants if v.name == name), None)
-            if variant is None:
-                continue
-            prefilled = _prefill(model, tokenizer, item, variant, references, outcomes, readings)
-            if prefilled is not None:
-                pending.append(prefilled)
-            if len(pending) >= settings.decode_batch_size or sum(p.run.held_bytes for p in pending) >= cap:
-                _decode(model, tokenizer, pending, references, outcomes, frontiers)
-                pending = []
-        _decode(model, tokenizer, pending, references, outcomes, frontiers)
+    for name in variant_order(items):
+        due = [(item, variant) for item in items for variant in item.variants if variant.name == name]
+        work = _prefilled(model, tokenizer, due, references, outcomes, readings)
+        _decode_stream(model, tokenizer, work, items[0].generation, references, outcomes, frontiers,
+                       configs=[due[0][1].cache])
     for item in items:
         if item.frontier and item.index not in frontiers:
             frontiers[item.index] = measure_frontier(model, tokenizer, item, references)
@@ -130,6 +119,14 @@ def execute_group(model, tokenizer, items: list[WorkItem]) -> list[list]:
         + ([frontiers[item.index]] if item.index in frontiers else [])
         for item in items
     ]
+
+
+def _prefilled(model, tokenizer, due: list, references: "References", outcomes, readings) -> Iterator["_Prefilled"]:
+    """Each ``(item, variant)`` of ``due`` prefilled when pulled, in order (one that fails is an outcome, not yielded)."""
+    for item, variant in due:
+        prefilled = _prefill(model, tokenizer, item, variant, references, outcomes, readings)
+        if prefilled is not None:
+            yield prefilled
 
 
 @dataclass
@@ -307,37 +304,48 @@ def _prefill(model, tokenizer, item, variant, references: References, outcomes,
     return _Prefilled(item, variant, run, missing)
 
 
-def _decode(model, tokenizer, pending: list[_Prefilled], references: References, outcomes, frontiers: dict) -> None:
-    """Decode ``pending`` together; when that fails, each again alone (a fresh prefill), so one bad row fails alone.
+def _decode_stream(model, tokenizer, work: Iterator["_Prefilled"], settings, references: References, outcomes,
+                   frontiers: dict, configs: list) -> None:
+    """Decode ``work`` as it is admitted (``schedule.DecodeAdmission``), then record each outcome (``_record``).
 
-    A full variant that decoded with its item's reading measures the item's frontier
-    from it at once (into ``frontiers``), then lets the reading go.
+    When decoding fails, every variant it had taken is prefilled again and decoded
+    alone, so one bad row fails alone; the work not taken yet decodes as before.
     """
-    if not pending:
-        return
+    admission = DecodeAdmission(work, budget_bytes=settings.decode_batch_memory_mb * 2**20,
+                                max_rows=settings.decode_batch_size, row_of=lambda prefilled: prefilled.run.row)
     try:
-        results = generate_together(model, tokenizer, [p.run for p in pending])
+        results = generate_together(model, tokenizer, [], configs=configs,
+                                    more=lambda rows: [prefilled.run for prefilled in admission(rows)],
+                                    batch=settings.decode_batch_size > 1)
     except Exception as exc:
-        if len(pending) == 1:
-            _failed(pending[0].item, pending[0].variant, f"{type(exc).__name__}: {exc}", references, outcomes)
-            return
-        again = [(p.item, p.variant) for p in pending]
-        pending.clear()  # the failed batch's caches go before the rows are prefilled again
-        for item, variant in again:
-            prefilled = _prefill(model, tokenizer, item, variant, references, outcomes)
-            if prefilled is not None:
-                _decode(model, tokenizer, [prefilled], references, outcomes, frontiers)
+        taken, admission.taken = admission.taken, []
+        if len(taken) == 1:
+            _failed(taken[0].item, taken[0].variant, f"{type(exc).__name__}: {exc}", references, outcomes)
+        else:
+            again = [(p.item, p.variant) for p in taken]
+            taken.clear()  # the failed batch's caches go before the rows are prefilled again
+            for item, variant in again:
+                prefilled = _prefill(model, tokenizer, item, variant, references, outcomes)
+                if prefilled is not None:
+                    _decode_stream(model, tokenizer, iter([prefilled]), settings, references, outcomes, frontiers,
+                                   configs)
+        _decode_stream(model, tokenizer, admission.rest(), settings, references, outcomes, frontiers, configs)
         return
-    for prefilled, result in zip(pending, results):
-        item, variant = prefilled.item, prefilled.variant
-        note = prefilled.fidelity_note if result.fidelity is None else None
-        outcome = VariantOutcome(variant.name, result=result, fidelity_note=note)
-        outcomes[item.index][variant.name] = outcome
-        if variant.cache.method == "full":
-            references.made(item, Reference.of_output(result.token_ids, result.logprobs))
-            reading, prefilled.run.reading = prefilled.run.reading, None
-            if reading is not None and item.frontier:
-                frontiers[item.index] = measure_frontier(model, tokenizer, item, references, reading)
+    for prefilled, result in zip(admission.taken, results):
+        _record(model, tokenizer, prefilled, result, references, outcomes, frontiers)
+
+
+def _record(model, tokenizer, prefilled: _Prefilled, result, references: References, outcomes, frontiers: dict) -> None:
+    """One decoded variant's outcome; a full variant's output becomes its item's reference and, where the
+    variant kept its item's reading, the item's frontier is measured from it at once (then the reading goes)."""
+    item, variant = prefilled.item, prefilled.variant
+    note = prefilled.fidelity_note if result.fidelity is None else None
+    outcomes[item.index][variant.name] = VariantOutcome(variant.name, result=result, fidelity_note=note)
+    if variant.cache.method == "full":
+        references.made(item, Reference.of_output(result.token_ids, result.logprobs))
+        reading, prefilled.run.reading = prefilled.run.reading, None
+        if reading is not None and item.frontier:
+            frontiers[item.index] = measure_frontier(model, tokenizer, item, references, reading)
 
 
 def _failed(item, variant, error: str, references: References, outcomes) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -397,15 +397,30 @@ class OwnPeak:
         self.bytes = mx.get_peak_memory() - self.held_before
 
 
-def generate_together(model, tokenizer, runs: list[PrefilledVariant], *, batch: bool = True) -> list[GenerationResult]:
+def generate_together(
+    model, tokenizer, runs: list[PrefilledVariant], *, batch: bool = True,
+    more: Optional[Callable[[list], list]] = None, configs: Optional[list[KVCacheConfig]] = None,
+) -> list[GenerationResult]:
     """Decode prefilled variants (together when ``batch``, see ``velox_cache.generation.decode``), then finish each.
 
     Each result is what decoding it alone gives (tokens, accounting, and
     ``peak_memory_bytes``: see ``peak_memory``); its ``decode_seconds`` is its
-    share of the batch's steps.
+    share of the batch's steps. ``more`` (continuous batching): called with the
+    rows decoding whenever they change, returns more prefilled variants to join
+    them (``decode_rows``' ``refill``); their results follow ``runs``'. ``configs``:
+    the caches' configs when ``runs`` does not show them all (the attention is routed
+    for them).
     """
-    with attention_routing(model, [run.config for run in runs]):
-        decode_rows(model, [run.row for run in runs], batch=batch)
+    runs = list(runs)
+    refill = None
+    if more is not None:
+        def refill(rows):
+            joining = list(more(rows))
+            runs.extend(joining)
+            return [run.row for run in joining]
+    configs = list(configs or []) + [run.config for run in runs]
+    with attention_routing(model, configs):
+        decode_rows(model, [run.row for run in runs], batch=batch, refill=refill)
     weights = weights_bytes(model)
     forced = [run for run in runs if run.reference is not None]
     fidelities = dict(zip(map(id, forced), _teacher_force_runs(model, forced)))

@@ -43,9 +43,10 @@ class InputSpec:
 class GenerationSpec:
     """How each document is decoded: mlx-lm's sampling settings, its repetition penalty, prefill chunks.
 
-    ``decode_batch_size`` sequences decode together (documents of one variant, once
-    prefilled), fewer when their caches reach ``decode_batch_memory_mb``; neither
-    changes an output, so neither is hashed. ``top_k`` 0 and ``min_p`` 0 are off; ``repetition_penalty`` None (or 1) is off, else
+    Up to ``decode_batch_size`` sequences decode together (documents of one variant),
+    as many as keep the batch's caches within ``decode_batch_memory_mb`` until every
+    row reaches ``max_tokens`` (``pipeline.schedule``); neither changes an output, so
+    neither is hashed. ``top_k`` 0 and ``min_p`` 0 are off; ``repetition_penalty`` None (or 1) is off, else
     it penalises the last ``repetition_context_size`` tokens (prompt included), as
     ``mlx_lm.generate`` does.
     """
@@ -60,7 +61,7 @@ class GenerationSpec:
     repetition_penalty: Optional[float] = None
     repetition_context_size: int = 20
     decode_batch_size: int = 8  # sequences decoding together (1: one at a time); outputs do not depend on it
-    decode_batch_memory_mb: int = 4096  # a batch starts decoding once its rows hold this many MiB of caches
+    decode_batch_memory_mb: int = 4096  # a decoding batch's caches never pass this (growth and padding included)
 
     def hashed(self) -> dict:
         """The settings as hashed into stored keys: fields added later count only when set.

@@ -1,7 +1,7 @@
 """A decode failure injected for one document's full variant: a decode whose rows include it raises.
 
 Its rows are the full variant's rows whose prompt holds ``POISON``: decoding one alone
-raises too, decoding any other row alone does not. Run as a
+raises too (as does a batch it joins, mid-decode), decoding any other row alone does not. Run as a
 script, it is ``velox-batch`` with the injection in place (for tests that kill the process).
 """
 
@@ -13,9 +13,23 @@ MARK = "POISON"
 _original = pipeline.execute.generate_together
 
 
+def _poisoned(tokenizer, run) -> bool:
+    return run.config.method == "full" and MARK in tokenizer.decode(run.row.sampler.prompt)
+
+
 def poisoned_generate_together(model, tokenizer, runs, **options):
-    if any(run.config.method == "full" and MARK in tokenizer.decode(run.row.sampler.prompt) for run in runs):
+    """Raises once a poisoned row is among the runs, or joins them (``more``: mid-decode)."""
+    if any(_poisoned(tokenizer, run) for run in runs):
         raise RuntimeError("injected: a poisoned row")
+    more = options.get("more")
+    if more is not None:
+        def checked(rows):
+            joining = more(rows)
+            if any(_poisoned(tokenizer, run) for run in joining):
+                raise RuntimeError("injected: a poisoned row")
+            return joining
+
+        options["more"] = checked
     return _original(model, tokenizer, runs, **options)
 
 

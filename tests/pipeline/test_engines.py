@@ -10,7 +10,7 @@ import threading
 import pytest
 
 import pipeline.execute
-import pipeline.generation
+import pipeline.schedule
 from pipeline.execute import Executor, execute, execute_group
 from pipeline.model_store import load_tokenizer
 from pipeline.plan import WorkItem
@@ -200,9 +200,10 @@ def test_ray_dispatches_the_most_work_first_and_keeps_input_order_on_ties(work_i
 
 
 @pytest.mark.parametrize("held_mb, batches", [(1, [3, 3, 3]), (2, [2, 2, 1]), (6, [1, 1, 1])])
-def test_a_group_decodes_together_until_its_caches_reach_the_memory_cap(tiny_model, work_item, held_mb, batches, monkeypatch):
-    # the tiny model's caches hold kilobytes: each prefilled variant counts as holding held_mb MiB instead
-    monkeypatch.setattr(pipeline.generation.PrefilledVariant, "held_bytes", held_mb * 2**20)
+def test_a_group_decodes_together_while_its_caches_fit_the_memory_budget(tiny_model, work_item, held_mb, batches, monkeypatch):
+    # the tiny model's caches hold kilobytes: each decoding row counts as holding held_mb MiB instead; the
+    # third row joins once the first two have left (they all stop at max_tokens, at once)
+    monkeypatch.setattr(pipeline.schedule, "decode_footprint", lambda stacks, new: len(stacks) * held_mb * 2**20)
     settings = GenerationSpec(max_tokens=5, decode_batch_size=4, decode_batch_memory_mb=4)
     items = [
         dataclasses.replace(work_item, index=i, prompt_tokens=work_item.prompt_tokens[: 20 + 5 * i], generation=settings)

@@ -566,6 +566,53 @@ def _pad(array: mx.array, length: int, axis: int) -> mx.array:
     return mx.pad(array, widths)
 
 
+def decode_footprint(stacks: list[list], new_tokens: list[int]) -> int:
+    """The most bytes ``stacks`` hold decoding together as one batch until each has taken ``new_tokens[i]`` more.
+
+    Each row's own caches as they are now (they keep their arrays until the row
+    leaves the batch), plus the batch's buffers (``BatchedLayer``): per layer, every
+    row padded to the widest row's final width (a full row grows by its new tokens,
+    plus one growth step; an evicting row stops at its budget), each slot's key,
+    value, score, position and flat index. Prefilled stacks only (no array is
+    evaluated); an upper bound on what ``decode_rows`` holds for them.
+    """
+    if len(stacks) != len(new_tokens):
+        raise ValueError(f"new_tokens: {len(new_tokens)} counts for {len(stacks)} stacks")
+    own = sum(getattr(cache, "nbytes", 0) for stack in stacks for cache in stack)
+    batched = 0
+    for layer in zip(*stacks):
+        widths, slot_bytes = [], 0
+        for cache, new in zip(layer, new_tokens):
+            width, size = _final_width(cache, new)
+            widths.append(width)
+            slot_bytes = max(slot_bytes, size)
+        batched += len(layer) * max(widths) * slot_bytes
+    return own + batched
+
+
+def _final_width(cache, new: int) -> tuple[int, int]:
+    """``(slots per head the row needs after new tokens, bytes of one slot across heads)`` for one layer."""
+    if isinstance(cache, EvictingKVCache):
+        slots = cache.slots
+        keys, values = slots.keys, slots.values
+        if keys is None:
+            return 0, 0
+        if slots.heads_pooled:
+            heads = slots.n_heads
+            held = max(slots.head_counts(), default=0)
+            width = min(held + new, cache.layer_budget * heads)
+        else:
+            heads = keys.shape[1]
+            width = min(slots.stored + new, max(cache.layer_budget, slots.stored))
+    else:
+        keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
+        if keys is None:
+            return 0, 0
+        heads, width = keys.shape[1], cache.offset + new + FULL_STEP
+    per_head = keys.shape[-1] * keys.dtype.size + values.shape[-1] * values.dtype.size + 3 * 4  # + score, position, flat
+    return width, heads * per_head
+
+
 def batch_layers(stacks: list[list]) -> list[BatchedLayer]:
     """One ``BatchedLayer`` per layer for the prefilled cache stacks ``stacks`` (one per row, same model)."""
     if not stacks:

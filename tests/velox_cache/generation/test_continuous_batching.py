@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 
 import velox_cache
-from velox_cache.generation.batching import BatchedLayer, BatchUnsupported
+from velox_cache.generation.batching import BatchedLayer, BatchUnsupported, decode_footprint
 from velox_cache.generation.decode import decode_rows
 
 from tests.velox_cache.generation.test_batching_head_budgets import BATCHES, _assert_same, _prompt, _row
@@ -96,3 +96,41 @@ def test_a_layer_joins_rows_of_its_own_shape_only(tiny_model):
     with pytest.raises(BatchUnsupported, match="dtypes"):
         layer.join(other)
     assert len(layer.rows) == 1
+
+
+def _buffers(layer: BatchedLayer) -> int:
+    arrays = (layer.keys, layer.values, layer.scores, layer.positions, layer._flat)
+    return sum(array.nbytes for array in arrays if array is not None)
+
+
+@pytest.mark.parametrize("name", ["mixed", "adaptive", "below-budget"])
+def test_the_footprint_bounds_what_a_batch_holds_at_every_step(tiny_model, monkeypatch, name):
+    model, _ = tiny_model
+    rows = _rows(model, BATCHES[name])
+    own = sum(cache.nbytes for row in rows for cache in row.caches)
+    bound = decode_footprint([row.caches for row in rows], [row.max_tokens for row in rows])
+    held, most = {}, []
+    update = BatchedLayer.update_and_fetch
+
+    def recording(layer, keys, values):
+        result = update(layer, keys, values)
+        held[layer.layer] = _buffers(layer)
+        most.append(sum(held.values()))
+        return result
+
+    monkeypatch.setattr(BatchedLayer, "update_and_fetch", recording)
+    with velox_cache.observe(model):
+        decode_rows(model, rows)
+    assert max(most) > 0 and own + max(most) <= bound
+
+
+def test_a_full_rows_footprint_grows_with_its_new_tokens_and_an_evicting_rows_stops_at_its_budget(tiny_model):
+    model, _ = tiny_model
+    (full, _, _), (pyramid, _, _) = BATCHES["mixed"][2], BATCHES["mixed"][1]
+    full_row, pyramid_row = (_row(model, _prompt(60, 0), config, 8) for config in (full, pyramid))
+    assert decode_footprint([full_row.caches], [300]) - decode_footprint([full_row.caches], [10]) > 0
+    assert decode_footprint([pyramid_row.caches], [300]) == decode_footprint([pyramid_row.caches], [100])
+    together = decode_footprint([full_row.caches, pyramid_row.caches], [10, 10])
+    assert together > decode_footprint([full_row.caches], [10]) + decode_footprint([pyramid_row.caches], [10])  # padding
+    with pytest.raises(ValueError, match="new_tokens"):
+        decode_footprint([full_row.caches], [])

@@ -1,0 +1,85 @@
+"""The order of work in a group of documents: which variant goes first, and which rows decode together.
+
+``execute`` runs a group's variants one after another (``variant_order``: the full
+cache first, so that its outputs are the references of the others). Each variant's
+documents are prefilled one at a time as the decoding batch has room for them
+(``DecodeAdmission``): a prefilled row joins the running batch while the batch's
+caches stay within ``generation.decode_batch_memory_mb`` until every row reaches
+``max_tokens`` (``velox_cache.generation.batching.decode_footprint``: each row's
+own caches, and the batch's buffers padded to its widest row) and it has fewer than
+``generation.decode_batch_size`` rows; a finished row's place goes to the next
+document (continuous batching). A row too large for the budget on its own decodes
+alone. What else a variant holds beside its decode caches (a shared reading kept
+for the frontier, a snapshot for teacher forcing) is not counted here.
+
+The batches' make-up depends only on the rows (their caches and tokens), never on
+time, so a job stores the same log-probabilities however its variants were
+prefilled (alone or cut from one reading).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator, Optional
+
+from velox_cache.generation.batching import decode_footprint
+from velox_cache.generation.decode import DecodeRow
+
+
+def variant_order(items: Iterable) -> list[str]:
+    """The names of the variants due on ``items``, full-cache variants first, then in the items' order."""
+    items = list(items)
+    names = list(dict.fromkeys(variant.name for item in items for variant in item.variants))
+    full = {variant.name for item in items for variant in item.variants if variant.cache.method == "full"}
+    return sorted(names, key=lambda name: name not in full)  # stable: each kind keeps its order
+
+
+def rows_footprint(rows: list[DecodeRow]) -> int:
+    """The most bytes ``rows`` hold decoding together until each reaches its ``max_tokens``."""
+    return decode_footprint([row.caches for row in rows], [row.max_tokens - len(row.tokens) for row in rows])
+
+
+class DecodeAdmission:
+    """Hands prefilled work to a decoding batch while it fits (behind a ``decode_rows`` ``refill``; see the module doc).
+
+    ``work``: an iterator of prefilled items, pulled (prefilled) only when the batch
+    may take one; ``row_of(item)`` is its ``DecodeRow``. ``taken``: every item handed
+    out, in order; ``rest()``: what was not (the one that waited for room first).
+    """
+
+    def __init__(self, work: Iterator, *, budget_bytes: int, max_rows: int,
+                 row_of: Callable = lambda item: item.row, footprint: Callable = rows_footprint):
+        if budget_bytes < 1 or max_rows < 1:
+            raise ValueError(f"budget_bytes and max_rows: must be at least 1, got {budget_bytes} and {max_rows}")
+        self._work, self.budget_bytes, self.max_rows = iter(work), budget_bytes, max_rows
+        self._row_of, self._footprint = row_of, footprint
+        self._waiting: Optional[object] = None
+        self.taken: list = []
+
+    def __call__(self, in_batch: list[DecodeRow]) -> list:
+        """The work whose rows join ``in_batch`` now: the next items that fit, in order (none when the next does not)."""
+        rows, joining = list(in_batch), []
+        while len(rows) < self.max_rows:
+            item = self._next()
+            if item is None:
+                break
+            row = self._row_of(item)
+            if rows and self._footprint([*rows, row]) > self.budget_bytes:
+                self._waiting = item  # it joins once rows have left
+                break
+            rows.append(row)
+            joining.append(item)
+        self.taken += joining
+        return joining
+
+    def rest(self) -> Iterator:
+        """The work not handed out yet, the one waiting for room first."""
+        if self._waiting is not None:
+            yield self._waiting
+            self._waiting = None
+        yield from self._work
+
+    def _next(self):
+        if self._waiting is not None:
+            item, self._waiting = self._waiting, None
+            return item
+        return next(self._work, None)

@@ -1,0 +1,67 @@
+"""The order of work: variants full first; rows admitted to a decoding batch while they fit its budget."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from pipeline.schedule import DecodeAdmission, variant_order
+
+
+def _item(*variants):
+    return SimpleNamespace(variants=[SimpleNamespace(name=name, cache=SimpleNamespace(method=method))
+                                     for name, method in variants])
+
+
+def test_full_variants_go_first_and_the_others_keep_their_order():
+    items = [_item(("pyr", "pyramidkv"), ("full", "full")), _item(("sq", "squeeze"), ("pyr", "pyramidkv"))]
+    assert variant_order(items) == ["full", "pyr", "sq"]
+
+
+class Work:
+    """Rows of given sizes, prefilled (counted) only when pulled."""
+
+    def __init__(self, sizes):
+        self.sizes, self.pulled = list(sizes), 0
+
+    def __iter__(self):
+        for size in self.sizes:
+            self.pulled += 1
+            yield SimpleNamespace(row=size)
+
+
+def _admission(sizes, budget, max_rows):
+    work = Work(sizes)
+    return work, DecodeAdmission(iter(work), budget_bytes=budget, max_rows=max_rows, footprint=sum)
+
+
+def test_rows_join_while_they_fit_and_the_next_waits_for_room_unprefilled_work_behind_it():
+    work, admit = _admission([3, 4, 2, 5], budget=8, max_rows=4)
+    assert [item.row for item in admit([])] == [3, 4]  # 3 + 4 + 2 > 8: the third waits
+    assert work.pulled == 3  # the waiting one is prefilled, nothing after it
+    assert admit([3, 4]) == []  # no room yet
+    assert [item.row for item in admit([4])] == [2]  # a row left: the waiting one joins; 5 does not fit yet
+    assert [item.row for item in admit([])] == [5]
+    assert admit([]) == [] and [item.row for item in admit.taken] == [3, 4, 2, 5]
+
+
+def test_at_most_max_rows_decode_together():
+    _, admit = _admission([1] * 5, budget=100, max_rows=2)
+    assert len(admit([])) == 2 and len(admit([1])) == 1
+
+
+def test_a_row_larger_than_the_budget_decodes_alone():
+    _, admit = _admission([20, 1], budget=8, max_rows=4)
+    assert [item.row for item in admit([])] == [20]
+    assert admit([20]) == []
+    assert [item.row for item in admit([])] == [1]
+
+
+def test_what_was_not_handed_out_is_the_rest_the_waiting_one_first():
+    _, admit = _admission([6, 6, 1], budget=8, max_rows=4)
+    admit([])
+    assert [item.row for item in admit.rest()] == [6, 1]
+
+
+def test_a_budget_or_width_below_one_is_refused_by_name():
+    with pytest.raises(ValueError, match="budget_bytes and max_rows"):
+        DecodeAdmission(iter([]), budget_bytes=0, max_rows=4)
