@@ -106,12 +106,6 @@ class PrefilledVariant:
         if reference is None:
             self.prefill_end = None
 
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of keys and values this variant's caches hold (and its snapshot, when kept)."""
-        held = sum(getattr(cache, "nbytes", 0) for cache in self.row.caches)
-        return held * (2 if self.prefill_end is not None else 1) + (self.reading.shared.nbytes if self.reading else 0)
-
 
 def generate(
     model,

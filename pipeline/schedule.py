@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Iterator, Optional
 
-from velox_cache.generation.batching import decode_footprint
+from velox_cache.generation.batching import RowFootprint, batch_footprint, row_footprint
 from velox_cache.generation.decode import DecodeRow
 
 
@@ -33,9 +33,9 @@ def variant_order(items: Iterable) -> list[str]:
     return sorted(names, key=lambda name: name not in full)  # stable: each kind keeps its order
 
 
-def rows_footprint(rows: list[DecodeRow]) -> int:
-    """The most bytes ``rows`` hold decoding together until each reaches its ``max_tokens``."""
-    return decode_footprint([row.caches for row in rows], [row.max_tokens - len(row.tokens) for row in rows])
+def footprint_of(row: DecodeRow) -> RowFootprint:
+    """What ``row`` costs the batch it joins now, until it reaches its ``max_tokens`` (taken before it joins)."""
+    return row_footprint(row.caches, row.max_tokens - len(row.tokens))
 
 
 class DecodeAdmission:
@@ -47,26 +47,33 @@ class DecodeAdmission:
     """
 
     def __init__(self, work: Iterator, *, budget_bytes: int, max_rows: int,
-                 row_of: Callable = lambda item: item.row, footprint: Callable = rows_footprint):
+                 row_of: Callable = lambda item: item.row, footprint: Optional[Callable] = None):
         if budget_bytes < 1 or max_rows < 1:
             raise ValueError(f"budget_bytes and max_rows: must be at least 1, got {budget_bytes} and {max_rows}")
         self._work, self.budget_bytes, self.max_rows = iter(work), budget_bytes, max_rows
-        self._row_of, self._footprint = row_of, footprint
+        self._row_of = row_of
+        self._footprint = footprint or footprint_of  # a row -> what batch_footprint (below) adds up
+        self._total = batch_footprint if footprint is None else sum
+        self._joined: dict = {}  # id(row) -> its footprint when it joined (its own counts stop there)
         self._waiting: Optional[object] = None
         self.taken: list = []
 
     def __call__(self, in_batch: list[DecodeRow]) -> list:
         """The work whose rows join ``in_batch`` now: the next items that fit, in order (none when the next does not)."""
-        rows, joining = list(in_batch), []
-        while len(rows) < self.max_rows:
+        sizes = [self._joined[id(row)] for row in in_batch]
+        self._joined = {id(row): size for row, size in zip(in_batch, sizes)}  # rows that left are forgotten
+        joining = []
+        while len(sizes) < self.max_rows:
             item = self._next()
             if item is None:
                 break
             row = self._row_of(item)
-            if rows and self._footprint([*rows, row]) > self.budget_bytes:
+            size = self._footprint(row)
+            if sizes and self._total([*sizes, size]) > self.budget_bytes:
                 self._waiting = item  # it joins once rows have left
                 break
-            rows.append(row)
+            sizes.append(size)
+            self._joined[id(row)] = size
             joining.append(item)
         self.taken += joining
         return joining

@@ -203,7 +203,7 @@ def test_ray_dispatches_the_most_work_first_and_keeps_input_order_on_ties(work_i
 def test_a_group_decodes_together_while_its_caches_fit_the_memory_budget(tiny_model, work_item, held_mb, batches, monkeypatch):
     # the tiny model's caches hold kilobytes: each decoding row counts as holding held_mb MiB instead; the
     # third row joins once the first two have left (they all stop at max_tokens, at once)
-    monkeypatch.setattr(pipeline.schedule, "decode_footprint", lambda stacks, new: len(stacks) * held_mb * 2**20)
+    monkeypatch.setattr(pipeline.schedule, "batch_footprint", lambda rows: len(rows) * held_mb * 2**20)
     settings = GenerationSpec(max_tokens=5, decode_batch_size=4, decode_batch_memory_mb=4)
     items = [
         dataclasses.replace(work_item, index=i, prompt_tokens=work_item.prompt_tokens[: 20 + 5 * i], generation=settings)

@@ -31,7 +31,7 @@ class Work:
 
 def _admission(sizes, budget, max_rows):
     work = Work(sizes)
-    return work, DecodeAdmission(iter(work), budget_bytes=budget, max_rows=max_rows, footprint=sum)
+    return work, DecodeAdmission(iter(work), budget_bytes=budget, max_rows=max_rows, footprint=lambda row: row)
 
 
 def test_rows_join_while_they_fit_and_the_next_waits_for_room_unprefilled_work_behind_it():
@@ -65,3 +65,15 @@ def test_what_was_not_handed_out_is_the_rest_the_waiting_one_first():
 def test_a_budget_or_width_below_one_is_refused_by_name():
     with pytest.raises(ValueError, match="budget_bytes and max_rows"):
         DecodeAdmission(iter([]), budget_bytes=0, max_rows=4)
+
+
+def test_a_decoding_rows_size_is_the_one_it_joined_with():
+    """Once a row decodes in a batch its own caches' counts stand still: what it joined with is what it costs."""
+    rows = [SimpleNamespace(size=5), SimpleNamespace(size=5), SimpleNamespace(size=3)]
+    admit = DecodeAdmission(iter(SimpleNamespace(row=row) for row in rows), budget_bytes=10, max_rows=4,
+                            footprint=lambda row: row.size)
+    first = [item.row for item in admit([])]
+    assert first == rows[:2]
+    rows[0].size = rows[1].size = 1  # what a stale reading of their counts would say
+    assert admit(first) == []  # 5 + 5 + 3 > 10: the third still waits
+    assert [item.row for item in admit(first[1:])] == [rows[2]]

@@ -566,6 +566,35 @@ def _pad(array: mx.array, length: int, axis: int) -> mx.array:
     return mx.pad(array, widths)
 
 
+class RowFootprint(NamedTuple):
+    """What one prefilled stack costs a decoding batch (``row_footprint``), fixed when it joins."""
+
+    own_bytes: int  # its caches as they are now (it keeps them until it leaves the batch)
+    widths: tuple  # per layer: the slots per head it needs by its last new token
+    slot_bytes: tuple  # per layer: one slot's bytes across heads (key, value, score, position, flat index)
+
+
+def row_footprint(stack: list, new_tokens: int) -> RowFootprint:
+    """``stack``'s footprint in a batch it joins now, with ``new_tokens`` still to take (see ``decode_footprint``).
+
+    Take it before the row joins: once it decodes in a batch, its own caches' counts
+    stay as they were when it joined (the batch counts for it).
+    """
+    widths, sizes = zip(*(_final_width(cache, new_tokens) for cache in stack)) if stack else ((), ())
+    return RowFootprint(sum(getattr(cache, "nbytes", 0) for cache in stack), tuple(widths), tuple(sizes))
+
+
+def batch_footprint(rows: list[RowFootprint]) -> int:
+    """The most bytes these rows hold decoding together: their own caches, plus the batch's buffers at their
+    widest (every layer padded to its widest row, at that row's last token)."""
+    if not rows:
+        return 0
+    own = sum(row.own_bytes for row in rows)
+    buffers = sum(len(rows) * max(widths) * max(sizes) for widths, sizes in
+                  zip(zip(*(row.widths for row in rows)), zip(*(row.slot_bytes for row in rows))))
+    return own + buffers
+
+
 def decode_footprint(stacks: list[list], new_tokens: list[int]) -> int:
     """The most bytes ``stacks`` hold decoding together as one batch until each has taken ``new_tokens[i]`` more.
 
@@ -573,21 +602,12 @@ def decode_footprint(stacks: list[list], new_tokens: list[int]) -> int:
     leaves the batch), plus the batch's buffers (``BatchedLayer``): per layer, every
     row padded to the widest row's final width (a full row grows by its new tokens,
     plus one growth step; an evicting row stops at its budget), each slot's key,
-    value, score, position and flat index. Prefilled stacks only (no array is
-    evaluated); an upper bound on what ``decode_rows`` holds for them.
+    value, score, position and flat index. Prefilled stacks that have not decoded in
+    a batch yet (no array is evaluated); an upper bound on what ``decode_rows`` holds for them.
     """
     if len(stacks) != len(new_tokens):
         raise ValueError(f"new_tokens: {len(new_tokens)} counts for {len(stacks)} stacks")
-    own = sum(getattr(cache, "nbytes", 0) for stack in stacks for cache in stack)
-    batched = 0
-    for layer in zip(*stacks):
-        widths, slot_bytes = [], 0
-        for cache, new in zip(layer, new_tokens):
-            width, size = _final_width(cache, new)
-            widths.append(width)
-            slot_bytes = max(slot_bytes, size)
-        batched += len(layer) * max(widths) * slot_bytes
-    return own + batched
+    return batch_footprint([row_footprint(stack, new) for stack, new in zip(stacks, new_tokens)])
 
 
 def _final_width(cache, new: int) -> tuple[int, int]:
