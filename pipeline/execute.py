@@ -7,6 +7,7 @@ exception: the other variants of the document still run.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Optional
 
@@ -17,6 +18,7 @@ from .generation import (
     GenerationResult,
     Reading,
     cut_shared,
+    draft_together,
     frontier_rows,
     generate_together,
     prefill_variant,
@@ -108,6 +110,7 @@ def execute_group(model, tokenizer, items: list[WorkItem]) -> list[list]:
     frontiers: dict[int, FrontierOutcome] = {}
     for name in variant_order(items):
         due = [(item, variant) for item in items for variant in item.variants if variant.name == name]
+        readings.draft_together(due, references, items[0].generation)
         work = _prefilled(model, tokenizer, due, references, outcomes, readings)
         _decode_stream(model, tokenizer, work, items[0].generation, references, outcomes, frontiers,
                        configs=[due[0][1].cache])
@@ -146,7 +149,8 @@ class SharedReadings:
     Variants with a ``lookahead`` are cut after the full variant decoded: its output is
     their draft (``Reading.feed_draft``), so drafting costs one call, not a decode, where
     that output is the draft their own prefill makes (``output_is_draft``); otherwise the
-    reading drafts greedily itself.
+    reading drafts greedily itself, and where no full variant is read, the group's
+    readings draft together in one batch (``draft_together``) before any is cut.
     """
 
     def __init__(self, model, tokenizer):
@@ -157,12 +161,35 @@ class SharedReadings:
     def sharing(item: WorkItem) -> list:
         """The variants of ``item`` that read its bounded prompt and can share one reading.
 
-        None unless two can, or the full variant can and the item measures a frontier point.
+        None unless two can, or the full variant can and the item measures a frontier
+        point, or none is the full variant and one looks ahead (its reading's draft then
+        decodes in a batch with the group's: ``draft_together``).
         """
         found = [variant for variant in item.variants if derivable(variant.cache)]
         full = any(variant.cache.method == "full" for variant in found)
         measured = any(derivable(point.variant.cache) for point in item.frontier)
-        return found if len(found) > 1 or (full and measured) else []
+        drafted = not full and any(variant.cache.lookahead for variant in found)
+        return found if len(found) > 1 or (full and measured) or drafted else []
+
+    def draft_together(self, due: list, references: "References", settings) -> None:
+        """The drafts of ``due``'s ``(item, variant)`` readings that have no full-cache output to draft from,
+        decoded in one batch (``generation.draft_together``; each reading is read now if it was not)."""
+        waiting = []
+        for item, variant in due:
+            if not variant.cache.lookahead:
+                continue
+            if item.index not in self._readings:
+                sharing = self.sharing(item)
+                if variant not in sharing:
+                    continue
+                self._readings[item.index] = self._read(item, sharing)
+            reading = self._readings[item.index].reading
+            if not isinstance(reading, Reading) or reading.shared.looked_ahead or reading in waiting or _serves_full(reading):
+                continue
+            if self._draft_from(item, reading, references) is None:  # else the full variant's output is the draft
+                waiting.append(reading)
+        draft_together(self.model, waiting, budget_bytes=settings.decode_batch_memory_mb * 2**20,
+                       max_rows=settings.decode_batch_size)
 
     def take(self, item: WorkItem, variant, references: "References"):
         """``variant``'s run from ``item``'s shared reading (read now if it is the first); None when it has none.
@@ -187,10 +214,13 @@ class SharedReadings:
         if entry.reading is None:
             return None
         if variant.cache.lookahead and not entry.reading.shared.looked_ahead:
-            reference, _ = references.of(item)
-            if reference is None:  # the full variant failed: no draft; this variant reads on its own
+            reference = self._draft_from(item, entry.reading, references)
+            if reference is not None:
+                entry.reading.feed_draft(reference.token_ids)
+            elif _serves_full(entry.reading):  # its full stack decoded (or failed): this variant reads on its own
                 return None
-            entry.reading.feed_draft(reference.token_ids)
+            else:  # no draft was decoded for it (``draft_together``): it drafts alone now
+                self._draft_alone(entry.reading)
         run = cut_shared(self.tokenizer, entry.reading, variant.cache, item.generation)
         if entry.frontier and variant.cache.method == "full":
             run.reading = entry.reading
@@ -200,14 +230,34 @@ class SharedReadings:
         full_first = sharing[0].cache.method == "full"
         also_read = [point_config(point) for point in item.frontier if derivable(point.variant.cache)] if full_first else []
         configs = [v.cache for v in sharing] + also_read
-        try:  # where the full variant's output is the draft, none is drafted now: it comes after decoding
-            reading = read_shared(self.model, self.tokenizer, item.prompt, configs, item.generation,
-                                  draft=not (full_first and output_is_draft(item.generation, configs)))
+        # no draft now where the full variant's output is the draft (it comes after decoding), nor where no full
+        # variant is read: the group's drafts decode together (``draft_together``)
+        later = output_is_draft(item.generation, configs) if any(c.method == "full" for c in configs) else True
+        try:
+            reading = read_shared(self.model, self.tokenizer, item.prompt, configs, item.generation, draft=not later)
         except NotDerivable:  # e.g. a model with layers Velox leaves alone: each variant reads its own
             reading = None
         except Exception as exc:  # noqa: BLE001 - every variant of the reading fails with it
             reading = exc
         return _Reading(reading, {v.name for v in sharing}, bool(also_read))
+
+
+    @staticmethod
+    def _draft_from(item: WorkItem, reading: "Reading", references: "References") -> Optional[Reference]:
+        """The full variant's output where it is the draft ``reading``'s configs would make (else None)."""
+        reference, _ = references.of(item)
+        return reference if reference is not None and output_is_draft(item.generation, reading.shared.configs) else None
+
+    def _draft_alone(self, reading: "Reading") -> None:
+        start = time.perf_counter()
+        tokens = reading.shared.draft()
+        reading.draft_seconds = time.perf_counter() - start
+        reading.feed_draft(tokens)
+
+
+def _serves_full(reading: "Reading") -> bool:
+    """True when ``reading``'s full stack is the full variant's own (so nothing else may decode on it)."""
+    return any(config.method == "full" for config in reading.shared.configs)
 
 
 @dataclass

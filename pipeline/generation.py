@@ -28,9 +28,11 @@ from velox_cache.generation.forcing import feed_together
 from velox_cache.generation.prefill import repeat_request
 from velox_cache.generation.reading import FULL, SharedReading, reading_recipe
 from velox_cache.generation.routing import attention_routing
+from velox_cache.generation.sampling import TokenSampler
 
 from .prompting import Prompt
 from .reference import Reference
+from .schedule import DecodeAdmission
 from .sampling import TokenChoice, log_softmax
 from .spec import GenerationSpec
 
@@ -260,6 +262,36 @@ def read_shared(
     return result
 
 
+def draft_together(model, readings: list[Reading], *, budget_bytes: int, max_rows: int) -> None:
+    """Each reading's look-ahead draft, their full stacks decoding the greedy drafts together, then fed.
+
+    The tokens each reading's own ``SharedReading.draft`` gives (greedy, ``look_ahead_steps``
+    of them, stopping before a stop token), decoded as rows of one batch the way a job
+    decodes (``pipeline.schedule.DecodeAdmission``: ``max_rows`` at most, caches within
+    ``budget_bytes``), so a group's drafts cost a few batched steps instead of a step per
+    token per document. Each full stack keeps its draft: only its recordings are cut
+    after this (no full variant is cut from these readings). ``draft_seconds``: each
+    reading's share of the batch; ``look_ahead_seconds``: feeding its draft.
+    """
+    readings = [reading for reading in readings if not reading.shared.looked_ahead]
+    if not readings:
+        return
+    rows = []
+    for reading in readings:
+        shared = reading.shared
+        if any(config.method == "full" for config in shared.configs):
+            raise ValueError("readings: a reading that serves the full variant drafts from its output, not here")
+        sampler = TokenSampler()
+        rows.append(DecodeRow(shared.full(), sampler, sampler.logprobs(shared.logits), shared.look_ahead_steps,
+                              shared.stop_tokens))
+    admission = DecodeAdmission(iter(rows), budget_bytes=budget_bytes, max_rows=max_rows, row_of=lambda row: row)
+    with attention_routing(model, [FULL]):
+        decode_rows(model, [], refill=admission)
+    for reading, row in zip(readings, rows):
+        reading.draft_seconds = row.decode_seconds
+        reading.feed_draft(row.tokens)
+
+
 def cut_shared(tokenizer, reading: Reading, config: KVCacheConfig, settings: GenerationSpec) -> PrefilledVariant:
     """``config``'s run cut from ``reading``: what ``prefill_variant`` gives it alone (tokens, caches, accounting).
 
@@ -289,7 +321,7 @@ def cut_shared(tokenizer, reading: Reading, config: KVCacheConfig, settings: Gen
         prefill_peak_bytes=reading.own_peak(config),
         first_logprobs=first_logprobs,
         prefill_end=None if config.method == "full" else snapshot(caches),
-        reading_seconds=common,
+        reading_seconds=common if len(shared.configs) > 1 else None,  # shared with the other configs read
         draft_seconds=reading.draft_seconds if config.lookahead else None,
         layer_stats=layer_rows(caches),
     )

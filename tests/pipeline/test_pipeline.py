@@ -12,6 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import pipeline.execute
+
 from pipeline.runner import EXIT_BAD_INPUT, EXIT_DOCUMENT_FAILED, EXIT_LOCKED, JobError, run_job
 from pipeline.spec import SpecError, load_spec, parse_spec
 from pipeline.store import MIGRATIONS, Store
@@ -155,11 +157,11 @@ def test_variants_sharing_one_reading_store_what_they_store_one_at_a_time(job, t
     timing = "select variant, count(reading_seconds), sum(prefill_seconds >= reading_seconds) from documents group by 1"
     assert rows(shared, timing) == [("full", 4, 4), ("pyramid", 4, 4), ("squeeze", 4, 4)]
     assert rows(alone, "select count(reading_seconds) from documents") == [(0,)]
-    # drafting is apart from prefill: alone each looking-ahead variant drafts; shared, the full output is its draft
+    # drafting is apart from prefill; the full output is the draft where it is the one a variant's own prefill
+    # makes (shared: its output in this run; alone: the one stored by the full variant's run before)
     drafts = "select variant, count(draft_seconds) from documents group by 1"  # prefill_end looks ahead by default
-    assert rows(alone, drafts) == [("full", 0), ("pyramid", 4), ("squeeze", 4)]
-    drafted_by_reading = 4 if variants is None or changes else 0
-    assert rows(shared, drafts) == [("full", 0), ("pyramid", drafted_by_reading), ("squeeze", drafted_by_reading)]
+    drafted = 4 if variants is None or changes else 0
+    assert rows(shared, drafts) == rows(alone, drafts) == [("full", 0), ("pyramid", drafted), ("squeeze", drafted)]
     # each row's peak is its own, never the other variants' recordings (they took it 30-45% above here); what is
     # left is the reading's scoring buffers, a far larger share of this tiny model's peak than of a real one's
     # (bench/store_figures.py measures SmolLM2)
@@ -414,3 +416,26 @@ def test_progress_is_a_bar_on_a_terminal_and_silent_when_quiet(job, tmp_path):
     quiet = FakeTerminal()
     run_job(load_spec(job()), force=True, quiet=True, progress_stream=quiet)
     assert quiet.buffer.getvalue() == ""
+
+
+def test_look_ahead_variants_with_no_full_output_draft_together_and_store_what_their_own_prefills_do(
+        job, tmp_path, monkeypatch):
+    """No full variant: each group's readings decode their drafts in one batch; the rows are those of own prefills."""
+    write_corpus(tmp_path / "corpus.parquet", n=4)
+    compressed = LOOKING_AHEAD[1:]
+    columns = ("document_id, variant, status, output, output_token_ids, output_logprobs, kept_bytes, "
+               "count(draft_seconds) over (partition by variant)")
+    stored, drafted_together = {}, []
+    original = pipeline.execute.draft_together
+    monkeypatch.setattr(pipeline.execute, "draft_together",
+                        lambda model, readings, **kw: (drafted_together.append(len(readings)), original(model, readings, **kw)))
+    for way in ("together", "own prefill"):
+        if way == "own prefill":  # no readings: each variant prefills (and drafts) on its own, one step at a time
+            monkeypatch.setattr(pipeline.execute.SharedReadings, "sharing", staticmethod(lambda item: []))
+        db = tmp_path / f"{way}.db"
+        assert invoke("run", job({"output": {"db": str(db)}}, variants=compressed), "-q").exit_code == 0
+        stored[way] = rows(db, f"select {columns} from documents order by 1, 2")
+    assert stored["together"] == stored["own prefill"]
+    assert {row[-1] for row in stored["together"]} == {4}  # every row drafted
+    # the together run drafts the four readings (each shared by both variants) in one batch; the other, none
+    assert drafted_together == [4, 0, 0, 0]

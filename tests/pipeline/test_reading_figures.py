@@ -1,6 +1,8 @@
 """A row cut from a shared reading carries what its variant costs, and a peak that is its own."""
 
-from pipeline.generation import cut_shared, read_shared
+import pytest
+
+from pipeline.generation import cut_shared, draft_together, prefill_variant, read_shared
 from pipeline.prompting import Prompt
 from pipeline.spec import GenerationSpec
 from velox_cache import KVCacheConfig
@@ -40,3 +42,36 @@ def test_each_cut_row_carries_the_reading_and_none_carries_the_others_recordings
     assert reading.draft_seconds is not None
     assert runs["pyramidkv"].draft_seconds == reading.draft_seconds
     assert runs["full"].draft_seconds is None and runs["squeeze"].draft_seconds is None
+
+
+def _prompts(count: int) -> list:
+    return [Prompt([5 + (i * (7 + j)) % 90 for i in range(120 + 30 * j)], document_start=2, document_end=110 + 30 * j)
+            for j in range(count)]
+
+
+def test_readings_drafted_together_draft_what_each_drafts_alone_and_cut_what_its_own_prefill_keeps(tiny_model):
+    model, tokenizer = tiny_model
+    spec = GenerationSpec(max_tokens=6, prefill_step_size=32)
+    prompts = _prompts(3)
+    together = [read_shared(model, tokenizer, prompt, [PYRAMID], spec, draft=False) for prompt in prompts]
+    fed = []
+    for reading in together:
+        feed = reading.feed_draft
+        reading.feed_draft = lambda tokens, feed=feed: (fed.append(list(tokens)), feed(tokens))
+    draft_together(model, together, budget_bytes=2**30, max_rows=8)
+    alone = [read_shared(model, tokenizer, prompt, [PYRAMID], spec, draft=False).shared.draft() for prompt in prompts]
+    assert fed == alone and all(len(tokens) == PYRAMID.lookahead for tokens in alone)
+    kept = lambda run: [c.slots.held_positions().tolist() for c in run.row.caches]  # noqa: E731
+    for prompt, reading in zip(prompts, together):
+        assert reading.shared.looked_ahead and reading.draft_seconds > 0
+        run, own = cut_shared(tokenizer, reading, PYRAMID, spec), prefill_variant(model, tokenizer, prompt, PYRAMID, spec)
+        assert kept(run) == kept(own)
+        assert run.draft_seconds == reading.draft_seconds and run.reading_seconds is None  # one config read
+
+
+def test_a_reading_that_serves_the_full_variant_is_not_drafted_together(tiny_model):
+    model, tokenizer = tiny_model
+    spec = GenerationSpec(max_tokens=6, prefill_step_size=32)
+    reading = read_shared(model, tokenizer, _prompts(1)[0], [FULL, PYRAMID], spec, draft=False)
+    with pytest.raises(ValueError, match="full variant"):
+        draft_together(model, [reading], budget_bytes=2**30, max_rows=8)
