@@ -83,6 +83,8 @@ def main(argv=None) -> None:
             figures[name, budget] = (max(row.batch_size for row in rows), tokens / seconds,
                                      3600 * len(rows) / (prefill * args.copies + seconds))
             print(f"# {name} at {budget} MiB: {figures[name, budget][0]} rows, {tokens / seconds:.1f} tok/s", flush=True)
+            del rows  # before the next budget's copies
+            mx.clear_cache()
         del runs
         mx.clear_cache()
     print("\n| variant | budget (MiB) | most rows together | decode tokens/s | documents/hour |")

@@ -375,26 +375,30 @@ class BatchedLayer(_BaseCache):
 
     # ----- rows in and out (mlx-lm's BatchKVCache: ``extract``, ``filter``) --------------------
 
-    def extract(self, index: int) -> None:
-        """Write row ``index``'s state into its own cache, as decoding it alone would have left it."""
+    def extract(self, index: int) -> list:
+        """Write row ``index``'s state into its own cache, as decoding it alone would have left it.
+
+        Returns the arrays written (lazy: evaluate them before the batch's buffers change
+        or go, or they keep this step's whole buffers alive).
+        """
         row = self.rows[index]
         stored, offset, seen, capacity = self.counts.row(index)
         keep = slice(index, index + 1)
         keys, values = self.keys[keep, :, :stored], self.values[keep, :, :stored]
         if not row.evicting:
             cache = row.cache
-            cache.keys, cache.values = _pad(keys, capacity, axis=2), _pad(values, capacity, axis=2)
+            cache.keys, cache.values = _owned(keys, capacity), _owned(values, capacity)
             cache.offset = offset
-            return
+            return [cache.keys, cache.values]
         slots = row.cache.slots
         if row.pooled:
             self._extract_pooled(index, slots)
-            slots.stored, slots.offset, slots.tokens_seen = stored, offset, seen
-            return
-        slots.keys, slots.values = _pad(keys, capacity, axis=2), _pad(values, capacity, axis=2)
-        slots.scores = _pad(self.scores[keep, :, :stored], capacity, axis=2)
-        slots.positions = _pad(self.positions[keep, :, :stored], capacity, axis=2)
+        else:
+            slots.keys, slots.values = _owned(keys, capacity), _owned(values, capacity)
+            slots.scores = _owned(self.scores[keep, :, :stored], capacity)
+            slots.positions = _owned(self.positions[keep, :, :stored], capacity)
         slots.stored, slots.offset, slots.tokens_seen = stored, offset, seen
+        return slots.arrays
 
     def _extract_pooled(self, index: int, slots) -> None:
         """Row ``index``'s heads back into its flattened buffer, each token in the slot decoding alone gave it."""
@@ -631,6 +635,14 @@ def _final_width(cache, new: int) -> tuple[int, int]:
         heads, width = keys.shape[1], cache.offset + new + FULL_STEP
     per_head = keys.shape[-1] * keys.dtype.size + values.shape[-1] * values.dtype.size + 3 * 4  # + score, position, flat
     return width, heads * per_head
+
+
+def _owned(row_slice: mx.array, capacity: int) -> mx.array:
+    """A row's slice of a batch buffer, padded to ``capacity`` along the slots, in a buffer of its own.
+
+    A slice is a view: kept as it is, it would keep the batch's whole buffer alive.
+    """
+    return mx.contiguous(_pad(row_slice, capacity, axis=2))
 
 
 def batch_layers(stacks: list[list]) -> list[BatchedLayer]:

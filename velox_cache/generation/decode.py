@@ -303,11 +303,12 @@ def _restore(layers: list, checkpoints: list) -> None:
 
 
 def _leave(layers: list, indices) -> None:
-    """Rows ``indices`` leave the batch: each writes its state back into its own caches."""
-    indices = list(indices)
-    for layer in layers:
-        for index in indices:
-            layer.extract(index)
+    """Rows ``indices`` leave the batch: each writes its state back into its own caches, evaluated at once.
+
+    Unevaluated, a row's extracted arrays would keep the batch's whole buffers of
+    this step alive (their inputs) for as long as the row lives.
+    """
+    mx.eval([layer.extract(index) for layer in layers for index in list(indices)])
 
 
 def _share(rows: list[DecodeRow], seconds: float, batched: bool = True) -> None:

@@ -134,3 +134,20 @@ def test_a_full_rows_footprint_grows_with_its_new_tokens_and_an_evicting_rows_st
     assert together > decode_footprint([full_row.caches], [10]) + decode_footprint([pyramid_row.caches], [10])  # padding
     with pytest.raises(ValueError, match="new_tokens"):
         decode_footprint([full_row.caches], [])
+
+
+def test_rows_that_left_hold_their_own_arrays_not_the_batchs(tiny_model):
+    """A finished row's caches are evaluated when it leaves: nothing of a batch buffer stays alive through them."""
+    model, _ = tiny_model
+    specs = BATCHES["mixed"] * 3
+    first, *waiting = _rows(model, specs)
+    mx.eval([cache.state for row in [first, *waiting] for cache in row.caches])
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    held_before = sum(cache.nbytes for row in [first, *waiting] for cache in row.caches)
+    with velox_cache.observe(model):
+        rows = decode_rows(model, [first], refill=Queue(waiting, width=3))
+    mx.clear_cache()
+    held_after = sum(cache.nbytes for row in rows for cache in row.caches)
+    grown = mx.get_active_memory() - before
+    assert grown <= (held_after - held_before) + 64 * 1024  # what the rows' caches grew by, and little else
