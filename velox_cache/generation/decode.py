@@ -303,12 +303,17 @@ def _restore(layers: list, checkpoints: list) -> None:
 
 
 def _leave(layers: list, indices) -> None:
-    """Rows ``indices`` leave the batch: each writes its state back into its own caches, evaluated at once.
+    """Rows ``indices`` leave the batch: each writes its state back into its own caches.
 
-    Unevaluated, a row's extracted arrays would keep the batch's whole buffers of
-    this step alive (their inputs) for as long as the row lives.
+    Where other rows go on, what the leaving rows wrote is evaluated at once:
+    unevaluated, it would keep this step's whole batch buffers alive (its inputs) for
+    as long as the rows live, and the next step could not update them in place. When
+    the whole batch leaves, nothing is copied until a row's caches are used.
     """
-    mx.eval([layer.extract(index) for layer in layers for index in list(indices)])
+    indices = list(indices)
+    written = [layer.extract(index) for layer in layers for index in indices]
+    if len(indices) < len(layers[0].rows):
+        mx.eval(written)
 
 
 def _share(rows: list[DecodeRow], seconds: float, batched: bool = True) -> None:
