@@ -88,3 +88,33 @@ def test_greedy_tokens_on_quantized_weights_equal_the_float32_weights(float32_mo
     model, tokenizer = float32_model
     expected = _greedy(model, tokenizer, prompt)
     assert _greedy(quantized_model[0], tokenizer, prompt) == expected
+
+
+def test_one_row_pipelines_its_steps_on_quantized_weights_and_not_on_float32(float32_model, quantized_model, monkeypatch):
+    """A 4-bit step is short on the CPU: building the next while it computes pays (bench/RESULTS.md, "Pipelined
+    decode"); with float32 weights it does not. The tokens are the same either way."""
+    import velox_cache
+    from velox_cache import KVCacheBuilder, KVCacheConfig, prefill_phases
+    from velox_cache.generation import decode
+    from velox_cache.generation.sampling import TokenSampler
+
+    chosen = []
+    alone = decode.decode_alone
+
+    def recording(model, row, pipelined):
+        chosen.append(pipelined)
+        return alone(model, row, pipelined=pipelined)
+
+    monkeypatch.setattr(decode, "decode_alone", recording)
+    tokens = {}
+    for name, (model, tokenizer) in (("float32", float32_model), ("quantized", quantized_model)):
+        prompt = tokenizer.encode("The capital of France is")
+        caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="full"))
+        with velox_cache.fast_attention(model):
+            logits = prefill_phases(model, caches, document=prompt)
+            sampler = TokenSampler(prompt)
+            row = decode.DecodeRow(caches, sampler, sampler.logprobs(logits), max_tokens=8)
+            decode.decode_rows(model, [row])
+        tokens[name] = row.tokens
+    assert [decode.has_quantized_layers(m) for m, _ in (float32_model, quantized_model)] == [False, True]
+    assert chosen == [mx.default_device() == mx.gpu, True] and tokens["quantized"] == tokens["float32"]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..builder import KVCacheBuilder
 from ..config import KVCacheConfig
@@ -92,10 +93,12 @@ def decode_rows(
     when a row stops at EOS the step built ahead is undone (restored from
     handles kept for that, no copy), so no cache is fed a token it would not be
     fed unpipelined, and the tokens are the same. None (the default) pipelines
-    batched steps everywhere and one-row steps only on a GPU: on a CPU the
-    host's graph building competes with the step's own threads, and one row's
-    per-step checkpoint (a ``snapshot`` of its stack) costs more than the
-    overlap saves (bench/RESULTS.md, "Pipelined decode"). Rows that
+    batched steps everywhere and one-row steps on a GPU or where the model has
+    quantized layers: with float32 weights on a CPU the host's graph building
+    competes with the step's own threads, and one row's per-step checkpoint (a
+    ``snapshot`` of its stack) costs more than the overlap saves; a 4-bit step is
+    short enough that building it is a large share (bench/RESULTS.md, "Pipelined
+    decode"). Rows that
     cannot decode together (``BatchUnsupported``: an unroutable model, cache
     kinds that do not batch, RoPE that needs one offset) decode alone too.
     Batched decoding needs the model's attention routed
@@ -112,7 +115,7 @@ def decode_rows(
     live = [row for row in rows if not row.done]
     if batch and (len(live) > 1 or refill is not None):
         rows += _decode_together(model, live, True if pipelined is None else pipelined, refill)
-    alone_pipelined = mx.default_device() == mx.gpu if pipelined is None else pipelined
+    alone_pipelined = (mx.default_device() == mx.gpu or has_quantized_layers(model)) if pipelined is None else pipelined
     for row in rows:
         if not row.done:
             decode_alone(model, row, pipelined=alone_pipelined)
@@ -125,6 +128,12 @@ def decode_rows(
                 decode_alone(model, row, pipelined=alone_pipelined)
         rows += more
     return rows
+
+
+def has_quantized_layers(model) -> bool:
+    """True when some layer of ``model`` multiplies by quantized weights (``nn.QuantizedLinear``, ``QuantizedEmbedding``)."""
+    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+    return any(isinstance(module, kinds) for _, module in model.named_modules())
 
 
 def decode_alone(model, row: DecodeRow, *, pipelined: bool = False) -> DecodeRow:
