@@ -16,15 +16,23 @@ and budget: the most rows that decoded together, decode tokens per second, and d
 per hour of prefill plus decode (each document's prefill is the one measured for its
 topic: it does not depend on the budget); then the compressed variant's decode tokens per second
 over the full variant's at each budget. ``--chart`` writes that as a Mermaid chart (the
-README's). Not a test: nothing here asserts on time.
+README's). ``--peer-python`` runs OpenVINO GenAI (``bench/openvino_peer.py``, in a venv of its own:
+``python3 -m venv /tmp/ovenv && /tmp/ovenv/bin/pip install openvino-genai``) on the same prompt texts
+and copies, its KV cache at each budget of 1 GiB and more, float32 compute and KV, without eviction
+and with its own eviction at the compressed variant's budget; documents per hour beside Velox's. Not a
+test: nothing here asserts on time.
 
     python bench/memory_budget.py --documents 8 --copies 4 --budgets 256 512 1024 2048 4096
+    python bench/memory_budget.py --documents 8 --copies 4 --budgets 1024 --peer-python /tmp/ovenv/bin/python
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 
 from pipeline.generation import prefill_variant  # noqa: E402
-from pipeline.model_store import context_length, load_model  # noqa: E402
+from pipeline.model_store import context_length, embedded_gguf_path, load_model  # noqa: E402
 from pipeline.prompting import PromptTooLong, build_prompt  # noqa: E402
 from pipeline.sampling import TokenChoice  # noqa: E402
 from pipeline.schedule import DecodeAdmission  # noqa: E402
@@ -57,6 +65,8 @@ def main(argv=None) -> None:
     parser.add_argument("--variants", nargs="+", default=["full", "pyramidkv-128"])
     parser.add_argument("--job", default=str(MAIN_JOB))
     parser.add_argument("--chart", help="write the Mermaid chart of the ratio here")
+    parser.add_argument("--peer-python", help="the OpenVINO GenAI venv's python: run the peer on the same prompts "
+                                              "(bench/openvino_peer.py; budgets of 1 GiB and more)")
     args = parser.parse_args(argv)
     spec = load_spec(args.job)
     variants = {variant.name: variant for variant in spec.variants}
@@ -95,9 +105,37 @@ def main(argv=None) -> None:
     ratios = [figures[compressed, b][1] / figures[full, b][1] for b in args.budgets]
     print(f"\n{compressed} decode tokens/s over {full}'s: "
           + ", ".join(f"{b} MiB {r:.2f}x" for b, r in zip(args.budgets, ratios)))
+    if args.peer_python:
+        _peer(args, prompts, tokenizer, variants, figures)
     if args.chart:
         Path(args.chart).write_text(_chart(args.budgets, figures, args.variants))
         print(f"chart: {args.chart}")
+
+
+def _peer(args, prompts, tokenizer, variants, figures) -> None:
+    """OpenVINO GenAI's ``ContinuousBatchingPipeline`` on the same prompt texts and copies, its KV cache at each
+    budget (whole GiB: its ``cache_size``), without eviction beside the full variant and with its own eviction at the
+    compressed variant's budget beside it; documents/hour of its ``generate`` (prefill and decode, load apart)."""
+    texts = [tokenizer.decode(prompt.tokens) for prompt in prompts] * args.copies
+    full, compressed = args.variants[0], args.variants[-1]
+    rows = []
+    for budget in [b for b in args.budgets if b >= 1024]:
+        for name, eviction in ((full, None), (compressed, variants[compressed].cache.budget)):
+            request = {"gguf": str(embedded_gguf_path()), "cache_gib": budget / 1024, "max_rows": args.max_rows,
+                       "threads": 2, "max_tokens": load_spec(args.job).generation.max_tokens, "prompts": texts,
+                       "eviction_budget": eviction}
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
+                json.dump(request, file)
+            out = subprocess.run([args.peer_python, str(Path(__file__).with_name("openvino_peer.py")), file.name],
+                                 capture_output=True, text=True, check=True).stdout
+            result = json.loads(out.strip().splitlines()[-1])
+            per_hour = 3600 * result["documents"] / result["seconds"]
+            rows.append((name, eviction, budget, result["seconds"], per_hour, figures[name, budget][2]))
+            print(f"# peer beside {name} at {budget} MiB: {result['seconds']:.1f} s", flush=True)
+    print("\n| beside | peer eviction | budget (MiB) | peer seconds | peer documents/hour | Velox documents/hour | Velox / peer |")
+    print("|---|---|---|---|---|---|---|")
+    for name, eviction, budget, seconds, peer, velox in rows:
+        print(f"| {name} | {eviction or 'none'} | {budget} | {seconds:.1f} | {peer:.0f} | {velox:.0f} | {velox / peer:.2f} |")
 
 
 def _long_prompts(spec, tokenizer, context, args) -> list:
