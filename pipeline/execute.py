@@ -184,12 +184,19 @@ class SharedReadings:
                     continue
                 self._readings[item.index] = self._read(item, sharing)
             reading = self._readings[item.index].reading
-            if not isinstance(reading, Reading) or reading.shared.looked_ahead or reading in waiting or _serves_full(reading):
+            if not isinstance(reading, Reading) or reading.shared.looked_ahead or _serves_full(reading):
+                continue
+            if any(reading is other for other in waiting):
                 continue
             if self._draft_from(item, reading, references) is None:  # else the full variant's output is the draft
                 waiting.append(reading)
-        draft_together(self.model, waiting, budget_bytes=settings.decode_batch_memory_mb * 2**20,
-                       max_rows=settings.decode_batch_size)
+        try:
+            draft_together(self.model, waiting, budget_bytes=settings.decode_batch_memory_mb * 2**20,
+                           max_rows=settings.decode_batch_size)
+        except Exception:  # noqa: BLE001 - their full stacks may hold part of a draft: each variant reads on its own
+            for entry in self._readings.values():
+                if any(entry.reading is reading for reading in waiting):
+                    entry.reading = None
 
     def take(self, item: WorkItem, variant, references: "References"):
         """``variant``'s run from ``item``'s shared reading (read now if it is the first); None when it has none.

@@ -439,3 +439,19 @@ def test_look_ahead_variants_with_no_full_output_draft_together_and_store_what_t
     assert {row[-1] for row in stored["together"]} == {4}  # every row drafted
     # the together run drafts the four readings (each shared by both variants) in one batch; the other, none
     assert drafted_together == [4, 0, 0, 0]
+
+
+def test_when_drafting_together_fails_each_variant_reads_on_its_own_and_stores_the_same_rows(job, tmp_path, monkeypatch):
+    write_corpus(tmp_path / "corpus.parquet", n=3)
+    compressed = LOOKING_AHEAD[1:]
+    columns = "document_id, variant, status, output_token_ids, output_logprobs, kept_bytes"
+    stored = {}
+    for way in ("together", "failing"):
+        if way == "failing":
+            def failing(model, readings, **kw):
+                raise RuntimeError("injected: drafting together failed")
+            monkeypatch.setattr(pipeline.execute, "draft_together", failing)
+        db = tmp_path / f"{way}.db"
+        assert invoke("run", job({"output": {"db": str(db)}}, variants=compressed), "-q").exit_code == 0
+        stored[way] = rows(db, f"select {columns} from documents order by 1, 2")
+    assert stored["failing"] == stored["together"] and {row[2] for row in stored["failing"]} == {"done"}
