@@ -157,3 +157,27 @@ def test_rows_that_left_a_batch_going_on_hold_their_own_arrays_not_the_batchs(ti
         decode_rows(model, [first], refill=Queue(waiting, width=3))
     mx.clear_cache()
     assert mx.get_active_memory() - before <= sum(last.values()) + 64 * 1024
+
+
+def test_decode_seconds_add_up_to_the_steps_and_leave_out_the_prefill_of_rows_that_join(tiny_model):
+    """A refill prefills while the batch waits: that time is no row's decode time."""
+    import time
+
+    model, _ = tiny_model
+    first, *waiting = _rows(model, BATCHES["mixed"])
+    queue = Queue(waiting, width=2)
+    pause, paused = 0.25, []
+
+    def prefilling(in_batch):
+        joining = queue(in_batch)
+        if joining:
+            time.sleep(pause)  # what prefilling the joining row would take
+            paused.append(pause)
+        return joining
+
+    start = time.perf_counter()
+    with velox_cache.observe(model):
+        rows = decode_rows(model, [first], refill=prefilling)
+    wall = time.perf_counter() - start
+    decoded = sum(row.decode_seconds for row in rows)
+    assert len(paused) == len(waiting) and 0 < decoded <= wall - sum(paused)
