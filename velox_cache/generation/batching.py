@@ -424,12 +424,12 @@ class BatchedLayer(_BaseCache):
         batch (``batch_layers`` of newly prefilled stacks); both buffers are padded to
         the wider one. Each row's counts, settings and slots are its own, so every row
         decodes on as it would have in either batch. Raises ``BatchUnsupported`` (and
-        leaves this batch as it was) when the rows differ in heads, head dims or dtypes.
+        leaves this batch as it was) when the rows differ in heads, head dims or dtypes
+        (``join_refusal``; ``join_layers`` asks every layer before any joins).
         """
-        mine = (self.keys.shape[1], self.keys.shape[3], self.values.shape[3], self.keys.dtype, self.values.dtype)
-        theirs = (other.keys.shape[1], other.keys.shape[3], other.values.shape[3], other.keys.dtype, other.values.dtype)
-        if mine != theirs:
-            raise BatchUnsupported(f"layer {self.layer}: rows differ in heads, head dims or dtypes: {mine} and {theirs}")
+        refusal = self.join_refusal(other)
+        if refusal is not None:
+            raise BatchUnsupported(refusal)
         width = max(self.keys.shape[2], other.keys.shape[2])
 
         def joined(a: mx.array, b: mx.array) -> mx.array:
@@ -444,6 +444,14 @@ class BatchedLayer(_BaseCache):
         self.counts.extend(other.counts)
         self._settings()
         self._valid = None
+
+    def join_refusal(self, other: "BatchedLayer") -> Optional[str]:
+        """Why ``other``'s rows cannot join this batch (None: they can)."""
+        mine = (self.keys.shape[1], self.keys.shape[3], self.values.shape[3], self.keys.dtype, self.values.dtype)
+        theirs = (other.keys.shape[1], other.keys.shape[3], other.values.shape[3], other.keys.dtype, other.values.dtype)
+        if mine != theirs:
+            return f"layer {self.layer}: rows differ in heads, head dims or dtypes: {mine} and {theirs}"
+        return None
 
     def _flat_or_zeros(self) -> mx.array:
         """``[B, H, T]`` flat slots; zeros where no row is pooled (only pooled rows read theirs)."""
@@ -643,6 +651,21 @@ def _owned(row_slice: mx.array, capacity: int) -> mx.array:
     A slice is a view: kept as it is, it would keep the batch's whole buffer alive.
     """
     return mx.contiguous(_pad(row_slice, capacity, axis=2))
+
+
+def join_layers(layers: list[BatchedLayer], joining: list[BatchedLayer]) -> None:
+    """``joining``'s rows join ``layers``, layer by layer (``BatchedLayer.join``), or none does.
+
+    Raises ``BatchUnsupported`` before any layer changes when the stacks differ in depth or
+    any layer refuses: a batch is never left with rows in some layers and not in others.
+    """
+    if len(layers) != len(joining):
+        raise BatchUnsupported(f"rows have stacks of different depths {sorted({len(layers), len(joining)})}: not the same model")
+    refusal = next((r for r in (layer.join_refusal(new) for layer, new in zip(layers, joining)) if r is not None), None)
+    if refusal is not None:
+        raise BatchUnsupported(refusal)
+    for layer, new in zip(layers, joining):
+        layer.join(new)
 
 
 def batch_layers(stacks: list[list]) -> list[BatchedLayer]:

@@ -25,7 +25,7 @@ import mlx.nn as nn
 from ..builder import KVCacheBuilder
 from ..config import KVCacheConfig
 from ..kernels.observe import can_route
-from .batching import BatchUnsupported, batch_layers
+from .batching import BatchUnsupported, batch_layers, join_layers
 from .prefill import prefill_phases, repeat_request
 from .routing import attention_routing
 from .sampling import TokenSampler, log_softmax
@@ -216,8 +216,7 @@ def _decode_together(model, rows: list[DecodeRow], pipelined: bool, refill=None)
                 if layers is None:
                     layers = batched
                 else:
-                    for layer, new in zip(layers, batched):
-                        layer.join(new)
+                    join_layers(layers, batched)
                 in_batch += waiting
             except BatchUnsupported:
                 pass  # these rows decode alone from their pending token

@@ -4,7 +4,9 @@ import mlx.core as mx
 import pytest
 
 import velox_cache
-from velox_cache.generation.batching import BatchedLayer, BatchUnsupported, decode_footprint
+from velox_cache.generation.batching import (
+    BatchedLayer, BatchUnsupported, batch_layers, decode_footprint, join_layers,
+)
 from velox_cache.generation.decode import decode_rows
 
 from tests.velox_cache.generation.test_batching_head_budgets import BATCHES, _assert_same, _prompt, _row
@@ -181,3 +183,35 @@ def test_decode_seconds_add_up_to_the_steps_and_leave_out_the_prefill_of_rows_th
     wall = time.perf_counter() - start
     decoded = sum(row.decode_seconds for row in rows)
     assert len(paused) == len(waiting) and 0 < decoded <= wall - sum(paused)
+
+
+def _odd_last_layer(rows):
+    """The last row's last layer holds its keys in another dtype: that layer alone refuses to join it."""
+    odd = rows[-1].caches[-1]
+    odd.keys = odd.keys.astype(mx.float16)
+    return rows
+
+
+def test_rows_a_deeper_layer_refuses_are_joined_to_no_layer(tiny_model):
+    model, _ = tiny_model
+    rows = _odd_last_layer(_rows(model, BATCHES["mixed"][:3]))
+    layers, joining = batch_layers([row.caches for row in rows[:2]]), batch_layers([rows[2].caches])
+    with pytest.raises(BatchUnsupported, match="dtypes"):
+        join_layers(layers, joining)
+    assert {len(layer.rows) for layer in layers} == {2}
+
+
+def test_a_row_that_cannot_join_decodes_alone_and_the_batch_goes_on(tiny_model):
+    model, _ = tiny_model
+    alone = _alone(model, BATCHES["mixed"][:3])
+    rows = _odd_last_layer(_rows(model, BATCHES["mixed"][:3]))
+    later = [rows[2]]
+
+    def once_decoding(in_batch):  # the third row comes once the first two decode together
+        return [later.pop()] if in_batch and later else []
+
+    with velox_cache.observe(model):
+        decoded = decode_rows(model, rows[:2], refill=once_decoding)
+    assert [row.batch_size for row in decoded] == [2, 2, 1]
+    _assert_same(alone[:2], decoded[:2])
+    assert decoded[2].tokens == alone[2].tokens
