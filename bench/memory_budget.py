@@ -44,11 +44,11 @@ from pipeline.generation import prefill_variant  # noqa: E402
 from pipeline.model_store import context_length, embedded_gguf_path, load_model  # noqa: E402
 from pipeline.prompting import PromptTooLong, build_prompt  # noqa: E402
 from pipeline.sampling import TokenChoice  # noqa: E402
-from pipeline.schedule import DecodeAdmission  # noqa: E402
+from pipeline.schedule import decode_within  # noqa: E402
 from pipeline.source import iter_documents, open_dataset  # noqa: E402
 from pipeline.spec import load_spec  # noqa: E402
 from velox_cache import snapshot  # noqa: E402
-from velox_cache.generation.decode import DecodeRow, decode_rows  # noqa: E402
+from velox_cache.generation.decode import DecodeRow  # noqa: E402
 from velox_cache.generation.routing import attention_routing  # noqa: E402
 
 MAIN_JOB = Path(__file__).resolve().parent.parent / "jobs" / "summarize.yaml"
@@ -159,11 +159,10 @@ def _decode(model, runs, prompts, settings, config, budget_bytes: int, max_rows:
     rows = [DecodeRow(snapshot(run.row.caches), TokenChoice(settings, prompt.tokens), run.first_logprobs,
                       run.row.max_tokens, run.row.eos) for _ in range(copies) for run, prompt in zip(runs, prompts)]
     mx.eval([cache.state for row in rows for cache in row.caches])
-    admission = DecodeAdmission(iter(rows), budget_bytes=budget_bytes, max_rows=max_rows, row_of=lambda row: row)
     start = time.perf_counter()
     with attention_routing(model, [config]):
-        decode_rows(model, [], refill=admission)
-    return admission.taken, time.perf_counter() - start
+        rows = decode_within(model, rows, budget_bytes=budget_bytes, max_rows=max_rows)
+    return rows, time.perf_counter() - start
 
 
 def _chart(budgets, figures, variants) -> str:

@@ -32,7 +32,7 @@ from velox_cache.generation.sampling import TokenSampler
 
 from .prompting import Prompt
 from .reference import Reference
-from .schedule import DecodeAdmission
+from .schedule import decode_within
 from .sampling import TokenChoice, log_softmax
 from .spec import GenerationSpec
 
@@ -284,9 +284,8 @@ def draft_together(model, readings: list[Reading], *, budget_bytes: int, max_row
         sampler = TokenSampler()
         rows.append(DecodeRow(shared.full(), sampler, sampler.logprobs(shared.logits), shared.look_ahead_steps,
                               shared.stop_tokens))
-    admission = DecodeAdmission(iter(rows), budget_bytes=budget_bytes, max_rows=max_rows, row_of=lambda row: row)
     with attention_routing(model, [FULL]):
-        decode_rows(model, [], refill=admission)
+        decode_within(model, rows, budget_bytes=budget_bytes, max_rows=max_rows)
     for reading, row in zip(readings, rows):
         reading.draft_seconds = row.decode_seconds
         reading.feed_draft(row.tokens)

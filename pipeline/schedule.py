@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Callable, Iterable, Iterator, Optional
 
 from velox_cache.generation.batching import RowFootprint, batch_footprint, row_footprint
-from velox_cache.generation.decode import DecodeRow
+from velox_cache.generation.decode import DecodeRow, decode_rows
 
 
 def variant_order(items: Iterable) -> list[str]:
@@ -90,3 +90,11 @@ class DecodeAdmission:
             item, self._waiting = self._waiting, None
             return item
         return next(self._work, None)
+
+
+def decode_within(model, rows: Iterable[DecodeRow], *, budget_bytes: int, max_rows: int) -> list[DecodeRow]:
+    """Prefilled ``rows`` decoded as a job decodes a variant's rows: each joins the batch, in order, while it fits
+    (``DecodeAdmission``); returns them. The model's attention must be routed for them (``attention_routing``)."""
+    admission = DecodeAdmission(iter(rows), budget_bytes=budget_bytes, max_rows=max_rows, row_of=lambda row: row)
+    decode_rows(model, [], refill=admission)
+    return admission.taken
