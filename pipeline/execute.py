@@ -7,7 +7,6 @@ exception: the other variants of the document still run.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Optional
 
@@ -227,7 +226,7 @@ class SharedReadings:
             elif _serves_full(entry.reading):  # its full stack decoded (or failed): this variant reads on its own
                 return None
             else:  # no draft was decoded for it (``draft_together``): it drafts alone now
-                self._draft_alone(entry.reading)
+                entry.reading.draft_alone()
         run = cut_shared(self.tokenizer, entry.reading, variant.cache, item.generation)
         if entry.frontier and variant.cache.method == "full":
             run.reading = entry.reading
@@ -254,12 +253,6 @@ class SharedReadings:
         """The full variant's output where it is the draft ``reading``'s configs would make (else None)."""
         reference, _ = references.of(item)
         return reference if reference is not None and output_is_draft(item.generation, reading.shared.configs) else None
-
-    def _draft_alone(self, reading: "Reading") -> None:
-        start = time.perf_counter()
-        tokens = reading.shared.draft()
-        reading.draft_seconds = time.perf_counter() - start
-        reading.feed_draft(tokens)
 
 
 def _serves_full(reading: "Reading") -> bool:

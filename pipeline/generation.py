@@ -225,6 +225,15 @@ class Reading:
         drafting = own + self.draft_peak_bytes if config.lookahead else 0
         return max(own, drafting, self.peak_bytes - (sum(self.held_bytes.values()) - own))
 
+    def draft_alone(self) -> None:
+        """Draft greedily from the full stack (``SharedReading.draft``) and feed it; its seconds and peak recorded."""
+        with OwnPeak() as drafting:
+            start = time.perf_counter()
+            tokens = self.shared.draft()
+            self.draft_seconds = time.perf_counter() - start
+            self.feed_draft(tokens)
+        self.draft_peak_bytes = drafting.bytes
+
     def feed_draft(self, tokens) -> None:
         """Feed the draft (``SharedReading.look_ahead``), timed in ``look_ahead_seconds``."""
         start = time.perf_counter()
@@ -253,12 +262,7 @@ def read_shared(
     result.peak_bytes = peak.bytes
     result.held_bytes = {reading_recipe(config): reading.held_bytes(config) for config in [FULL, *configs]}
     if draft and not reading.looked_ahead:
-        with OwnPeak() as drafting:
-            start = time.perf_counter()
-            tokens = reading.draft()
-            result.draft_seconds = time.perf_counter() - start
-            result.feed_draft(tokens)
-        result.draft_peak_bytes = drafting.bytes
+        result.draft_alone()
     return result
 
 
