@@ -28,7 +28,7 @@ from ..kernels.observe import can_route
 from .batching import BatchUnsupported, batch_layers, join_layers
 from .prefill import prefill_phases, repeat_request
 from .routing import attention_routing
-from .sampling import TokenSampler, log_softmax
+from .sampling import TokenSampler, greedy_choice, log_softmax
 from .snapshot import restore, snapshot
 
 
@@ -145,12 +145,13 @@ def decode_alone(model, row: DecodeRow, *, pipelined: bool = False) -> DecodeRow
     start = time.perf_counter()
     logits = None  # the next step's, when it was built ahead
     while not row.done:
+        chosen = None
         if row.pending is not None:
             logits = model(mx.array([[row.pending]]), cache=row.caches)[:, -1, :] if logits is None else logits
             row.pending = None
-            row.logprobs = row.sampler.logprobs(logits)
-        token = row.sampler.sample(row.logprobs)
-        value = mx.take_along_axis(row.logprobs, token[:, None], axis=-1)[:, 0]
+            row.logprobs = row.sampler.logprobs(logits)  # lazy: evaluated only where it is sampled from
+            chosen = greedy_choice(logits) if row.sampler.plain_greedy else None
+        token, value = chosen or _sample_together([row], row.logprobs)
         mx.async_eval(token, value)
         logits, saved = None, None
         if pipelined and not row.stops_after_next:
@@ -187,6 +188,17 @@ def _sample_together(rows: list[DecodeRow], logprobs: mx.array) -> tuple[mx.arra
     else:
         chosen = mx.concatenate([row.sampler.sample(logprobs[i : i + 1]) for i, row in enumerate(rows)])
     return chosen, mx.take_along_axis(logprobs, chosen[:, None], axis=-1)[:, 0]
+
+
+def _choose_together(rows: list[DecodeRow], logits: mx.array) -> tuple[mx.array, mx.array]:
+    """Each row's next token from ``logits`` ``[B, V]`` and its log-probability (both ``[B]``, lazy).
+
+    Plain greedy rows (no logits processors) take ``greedy_choice`` for the batch: the
+    tokens and values that the log-softmax and argmax give, in one native pass.
+    """
+    if all(row.sampler.plain_greedy for row in rows):
+        return greedy_choice(logits)
+    return _sample_together(rows, _logprobs_together(rows, logits))
 
 
 def _take_together(rows: list[DecodeRow], chosen: mx.array, values: mx.array) -> None:
@@ -264,7 +276,7 @@ def _steps_until_a_row_leaves(model, layers: list, in_batch: list[DecodeRow], pi
                 return False
         for row in in_batch:
             row.pending = None
-        chosen, values = _sample_together(in_batch, _logprobs_together(in_batch, logits))
+        chosen, values = _choose_together(in_batch, logits)
         mx.async_eval(chosen, values, *[layer.scores for layer in layers])
         logits, ahead, alone = None, None, False
         if pipelined and not any(row.stops_after_next for row in in_batch):

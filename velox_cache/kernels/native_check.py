@@ -8,6 +8,8 @@ fresh interpreter after a build.
 
 from __future__ import annotations
 
+import platform
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -23,7 +25,8 @@ def self_check() -> str:
     ``swiglu`` within ``native.SWIGLU_TOLERANCE`` (relative) of a float64 reference;
     ``rope`` within ``native.ROPE_TOLERANCE`` of ``mx.fast.rope``; the fused
     ``attention`` within twice ``native.ATTENTION_TOLERANCE`` of the MLX
-    kernel (output, key mass, entropy; causal and boolean-masked calls).
+    kernel (output, key mass, entropy; causal and boolean-masked calls); ``greedy_choice``
+    the tokens and log-probabilities of MLX's log-softmax and argmax (bit for bit on x86).
     """
     module, problem = native.built()
     if module is None:
@@ -62,7 +65,24 @@ def self_check() -> str:
                 problems.append(f"rope (traditional={traditional}) differs by {error:.2e} (tolerance {native.ROPE_TOLERANCE:.0e})")
         if hasattr(module, "attention"):
             problems += _attention_problems(module)
+        if hasattr(module, "greedy_choice"):
+            problems += _greedy_problems(module)
     return "; ".join(problems)
+
+
+def _greedy_problems(module) -> list[str]:
+    """The greedy choice against MLX's log-softmax and argmax: the same bits on x86, else the same tokens."""
+    logits = mx.random.normal((3, 5003), key=mx.random.key(9)) * 8
+    logits = mx.concatenate([logits, mx.round(logits[:1])])  # ties
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    expected_tokens = mx.argmax(logprobs, axis=-1)
+    expected = mx.take_along_axis(logprobs, expected_tokens[:, None], axis=-1)[:, 0]
+    tokens, values = module.greedy_choice(logits)
+    exact = platform.machine() in ("x86_64", "AMD64")
+    same = mx.array_equal(values, expected).item() if exact else mx.allclose(values, expected, atol=1e-5).item()
+    if not mx.array_equal(tokens, expected_tokens).item() or not same:
+        return ["greedy_choice differs from argmax of the log-softmax"]
+    return []
 
 
 def _attention_problems(module) -> list[str]:

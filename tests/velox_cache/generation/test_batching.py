@@ -85,6 +85,19 @@ def test_batched_greedy_decoding_equals_one_at_a_time(tiny_model, policy, scorin
     _assert_same(alone, together)
 
 
+@pytest.mark.parametrize("batch", [False, True])
+def test_greedy_rows_take_the_tokens_and_logprobs_the_log_softmax_gives(tiny_model, batch, monkeypatch):
+    """Plain greedy rows pick with ``greedy_choice`` (native where built): the very bits of argmax(log_softmax)."""
+    model, _ = tiny_model
+    configs = _configs(POLICY_CONFIGS["pyramidkv"], "observed")
+    chosen = _decode(model, configs, batch=batch)
+    monkeypatch.setattr(TokenSampler, "plain_greedy", property(lambda sampler: False))  # log-softmax, then argmax
+    sampled = _decode(model, configs, batch=batch)
+    for one, other in zip(chosen, sampled):
+        assert one.tokens == other.tokens and one.stop_reason == other.stop_reason
+        assert one.token_logprobs == other.token_logprobs
+
+
 def test_mixed_squeeze_and_pyramid_rows_and_a_row_stopping_at_eos(tiny_model):
     model, _ = tiny_model
     configs = [

@@ -1,10 +1,11 @@
-// Picks the loops (loops.cpp, attention_loops.cpp, quantized_loops.cpp) for the CPU the module runs on.
+// Picks the loops (loops.cpp, attention_loops.cpp, quantized_loops.cpp, sampling_loops.cpp) for the CPU the module runs on.
 #include <cstdlib>
 #include <cstring>
 
 #include "attention.h"
 #include "loops.h"
 #include "quantized.h"
+#include "sampling.h"
 
 namespace velox {
 
@@ -56,6 +57,14 @@ const QuantizedLoops& best_quantized_loops() {
   return pick(avx512::quantized_loops, avx2::quantized_loops, baseline::quantized_loops);
 #else
   return baseline::quantized_loops;
+#endif
+}
+
+const SamplingLoops& best_sampling_loops() {
+#if defined(VELOX_HAS_X86_LOOPS)
+  return pick(avx512::sampling_loops, avx2::sampling_loops, baseline::sampling_loops);
+#else
+  return baseline::sampling_loops;
 #endif
 }
 

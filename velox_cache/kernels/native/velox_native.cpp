@@ -246,6 +246,7 @@ mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin, i
 namespace velox {
 void register_attention(nb::module_& m);  // attention.cpp: VeloxAttention
 void register_quantized(nb::module_& m);  // quantized.cpp: VeloxQuantizedMatmul
+void register_sampling(nb::module_& m);   // sampling.cpp: VeloxGreedy
 }
 
 NB_MODULE(_ops, m) {
@@ -261,4 +262,5 @@ NB_MODULE(_ops, m) {
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"), "silu(gate) * x with a vectorised float32 exp.");
   velox::register_attention(m);
   velox::register_quantized(m);
+  velox::register_sampling(m);
 }

@@ -1,0 +1,111 @@
+"""Velox's native greedy choice (``VeloxGreedy``) against the MLX ops it replaces.
+
+On x86 MLX's CPU ``logsumexp`` sums its exponentials one by one (SIMD width 1),
+so the native pass must give the same token and the same log-probability bits
+as ``mx.argmax`` of ``logits - mx.logsumexp(logits)``; ``greedy_choice`` falls
+back to those ops where the native module is not built or is switched off.
+"""
+
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from velox_cache.generation.sampling import greedy_choice, log_softmax
+from velox_cache.kernels import native
+
+needs_native = pytest.mark.skipif(
+    native.ops() is None or not hasattr(native.ops(), "greedy_choice"),
+    reason=f"native greedy choice: {native.status()}",
+)
+exact = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
+                           reason="MLX's CPU logsumexp sums in SIMD lanes here, not one by one")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def mlx_choice(logits):
+    logprobs = log_softmax(logits)
+    tokens = mx.argmax(logprobs, axis=-1)
+    return tokens, mx.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
+
+
+def awkward_logits() -> list[np.ndarray]:
+    """Rows of every width the loops split differently, with ties, -inf, NaN and huge spreads."""
+    rng = np.random.default_rng(7)
+    cases = []
+    for vocabulary, scale in ((1, 1.0), (7, 3.0), (16, 1.0), (33, 50.0), (1000, 0.1), (4099, 10.0), (49152, 5.0)):
+        x = (rng.normal(size=(3, vocabulary)) * scale).astype(np.float32)
+        cases.append(x)
+        cases.append(np.round(x))  # ties: the first index must win
+    spread = (rng.normal(size=(2, 300)) * 200).astype(np.float32)  # many exp(x - max) below -88: zero
+    masked = rng.normal(size=(4, 130)).astype(np.float32)
+    masked[0, 5:] = -np.inf
+    masked[1, :] = -np.inf  # every logit -inf: NaN log-probabilities, token 0, as MLX gives
+    masked[2, 17] = np.inf
+    masked[3, 40] = np.nan
+    return cases + [spread, masked]
+
+
+def _bits(array) -> bytes:
+    return np.array(array).tobytes()
+
+
+@needs_native
+@exact
+@pytest.mark.parametrize("case", range(len(awkward_logits())))
+def test_the_native_choice_gives_mlxs_token_and_logprob_bits(case):
+    logits = mx.array(awkward_logits()[case])
+    expected_tokens, expected_logprobs = mlx_choice(logits)
+    tokens, logprobs = native.ops().greedy_choice(logits)
+    assert tokens.dtype == mx.uint32 and logprobs.dtype == mx.float32
+    assert np.array(tokens).tolist() == np.array(expected_tokens).tolist()
+    assert _bits(logprobs) == _bits(expected_logprobs)
+
+
+@needs_native
+@exact
+def test_leading_axes_strided_rows_and_half_precision_are_taken_as_mlx_takes_them():
+    logits = mx.random.normal((2, 5, 3001), key=mx.random.key(1)) * 4
+    for x in (logits, logits[:, 1::2], logits.astype(mx.float16), logits.transpose(1, 0, 2)):
+        expected_tokens, expected_logprobs = mlx_choice(x)
+        tokens, logprobs = greedy_choice(x)
+        assert tokens.shape == expected_tokens.shape
+        assert mx.array_equal(tokens, expected_tokens).item()
+        assert _bits(logprobs) == _bits(expected_logprobs)
+
+
+@needs_native
+@exact
+@pytest.mark.parametrize("instruction_set", ["avx512", "avx2", "baseline"])
+def test_each_instruction_set_gives_the_same_bits(instruction_set):
+    """Each ISA's loop in a fresh interpreter (the module reads ``VELOX_NATIVE_ISA`` once) against MLX."""
+    probe = (
+        "import hashlib, mlx.core as mx, numpy as np\n"
+        "from velox_cache.kernels import native\n"
+        "from tests.velox_cache.kernels.test_native_greedy import awkward_logits, mlx_choice\n"
+        "print(native.ops().sampling_instruction_set())\n"
+        "for x in awkward_logits():\n"
+        "    for t, l in (native.ops().greedy_choice(mx.array(x)), mlx_choice(mx.array(x))):\n"
+        "        print(hashlib.sha256(np.array(t).tobytes() + np.array(l).tobytes()).hexdigest()[:16])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            env={**os.environ, "VELOX_NATIVE_ISA": instruction_set}, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    chosen, *digests = result.stdout.split()
+    if chosen != instruction_set:
+        pytest.skip(f"this CPU runs {chosen}, not {instruction_set}")
+    assert digests[0::2] == digests[1::2]
+
+
+def test_without_the_native_ops_the_choice_is_mlxs(monkeypatch):
+    monkeypatch.setenv(native.ENVIRONMENT_VARIABLE, "0")
+    logits = mx.random.normal((4, 500), key=mx.random.key(2)) * 3
+    tokens, logprobs = greedy_choice(logits)
+    expected_tokens, expected_logprobs = mlx_choice(logits)
+    assert mx.array_equal(tokens, expected_tokens).item()
+    assert _bits(logprobs) == _bits(expected_logprobs)
