@@ -16,6 +16,10 @@ on every call (~1.9 ms per SmolLM2 layer for a 256-token chunk's queries and
 keys); the native op applies a table computed once per chunk for all layers,
 with the same multiplies and adds and the same table: ``mx.fast.rope``'s bits.
 
+``rms_norm`` stands in for ``mlx.nn.RMSNorm.__call__`` where the native ops are
+built: the same bits as ``mx.fast.rms_norm`` on the CPU in one graph node
+instead of ~13 (a decode step of SmolLM2 had ~1,650 nodes, ~730 of them its 61 norms).
+
 ``ACTIVATIONS`` maps each mlx-lm module global that ``observe`` and
 ``fast_attention`` replace (where the attention runs on Velox's kernel) to
 its stand-in; ``METHODS`` each class method they replace.
@@ -71,5 +75,20 @@ def rope_table(offset: int, length: int, dims: int, base: float, scale: float) -
     return mx.cos(angles), mx.sin(angles)
 
 
+def rms_norm(module: nn.RMSNorm, x: mx.array) -> mx.array:
+    """``nn.RMSNorm.__call__``: one native op for float32 where built, else ``mx.fast.rms_norm``.
+
+    On MLX's CPU backend ``mx.fast.rms_norm`` is composed of ~13 graph nodes
+    (casts, square, sum, mean, rsqrt, broadcasts, multiplies), twice per layer
+    and step; the native op computes the same arithmetic in the same order
+    (the same bits) as one.
+    """
+    ops = native.ops()
+    weight = module["weight"]
+    if ops is None or not hasattr(ops, "rms_norm") or x.dtype != mx.float32 or weight.dtype != mx.float32 or x.ndim < 1:
+        return mx.fast.rms_norm(x, weight, module.eps)
+    return ops.rms_norm(x, weight, module.eps)
+
+
 ACTIVATIONS = {"swiglu": swiglu}
-METHODS = {(nn.RoPE, "__call__"): rope}
+METHODS = {(nn.RoPE, "__call__"): rope, (nn.RMSNorm, "__call__"): rms_norm}

@@ -23,7 +23,8 @@ def self_check() -> str:
     ``row_max`` and ``shifted_exp`` must match bit for bit (masked ``-inf``
     keys, fully masked rows, strided rows and broadcast shifts included);
     ``swiglu`` within ``native.SWIGLU_TOLERANCE`` (relative) of a float64 reference;
-    ``rope`` within ``native.ROPE_TOLERANCE`` of ``mx.fast.rope``; the fused
+    ``rope`` within ``native.ROPE_TOLERANCE`` of ``mx.fast.rope``; ``rms_norm``
+    bit for bit ``mx.fast.rms_norm``'s; the fused
     ``attention`` within twice ``native.ATTENTION_TOLERANCE`` of the MLX
     kernel (output, key mass, entropy; causal and boolean-masked calls); ``greedy_choice``
     the tokens and log-probabilities of MLX's log-softmax and argmax (bit for bit on x86).
@@ -63,6 +64,11 @@ def self_check() -> str:
             error = (mx.abs(got - expected).max() / mx.abs(x).max()).item()
             if got.shape != x.shape or not error <= native.ROPE_TOLERANCE:
                 problems.append(f"rope (traditional={traditional}) differs by {error:.2e} (tolerance {native.ROPE_TOLERANCE:.0e})")
+        if hasattr(module, "rms_norm"):
+            x = mx.random.normal((3, 7, 576), key=mx.random.key(10)) * 5
+            weight = mx.random.normal((576,), key=mx.random.key(11))
+            if not mx.array_equal(module.rms_norm(x[:, 1:], weight, 1e-5), mx.fast.rms_norm(x[:, 1:], weight, 1e-5)).item():
+                problems.append("rms_norm differs from mx.fast.rms_norm")
         if hasattr(module, "attention"):
             problems += _attention_problems(module)
         if hasattr(module, "greedy_choice"):

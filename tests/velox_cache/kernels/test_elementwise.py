@@ -23,21 +23,24 @@ def test_swiglu_matches_mlx_lms_over_the_whole_range():
 @pytest.mark.parametrize("context", ["fast_attention", "observe"])
 def test_routing_puts_the_stand_ins_in_and_takes_them_out(tiny_model, context):
     model, _ = tiny_model
-    original_rope = nn.RoPE.__call__
+    original_rope, original_norm = nn.RoPE.__call__, nn.RMSNorm.__call__
     with getattr(velox_cache, context)(model):
         assert llama.swiglu is elementwise.swiglu
         assert nn.RoPE.__call__ is elementwise.rope
+        assert nn.RMSNorm.__call__ is elementwise.rms_norm
     assert llama.swiglu is mlx_lm_swiglu
     assert nn.RoPE.__call__ is original_rope
+    assert nn.RMSNorm.__call__ is original_norm
 
 
 def test_exact_mode_keeps_mlx_lms_activations(tiny_model, monkeypatch):
     monkeypatch.setenv("VELOX_ATTENTION", "exact")
     model, _ = tiny_model
-    original_rope = nn.RoPE.__call__
+    original_rope, original_norm = nn.RoPE.__call__, nn.RMSNorm.__call__
     with velox_cache.fast_attention(model):
         assert llama.swiglu is mlx_lm_swiglu
         assert nn.RoPE.__call__ is original_rope
+        assert nn.RMSNorm.__call__ is original_norm
 
 
 def test_the_stand_ins_leave_even_on_error(tiny_model):

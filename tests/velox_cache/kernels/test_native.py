@@ -169,6 +169,29 @@ def test_rope_matches_mlx_fast_rope_at_any_position(traditional, dims, scale):
             assert mx.array_equal(got[..., dims:], x[..., dims:]).item()
 
 
+@needs_native
+@pytest.mark.parametrize("features", [1, 7, 64, 576, 1536])
+def test_rms_norm_gives_mlx_fast_rms_norms_bits(features):
+    import mlx.nn as nn
+
+    module = nn.RMSNorm(features, eps=1e-5)
+    module.weight = mx.random.normal((features,), key=mx.random.key(10))
+    x = mx.random.normal((2, 40, features), key=mx.random.key(11)) * 30
+    for rows in (x, x[:, ::3], x.transpose(1, 0, 2), x * 1e-3):  # strided rows, tiny values
+        got = elementwise.rms_norm(module, rows)
+        assert got.shape == rows.shape and got.dtype == mx.float32
+        assert mx.array_equal(got, mx.fast.rms_norm(rows, module.weight, 1e-5)).item()
+
+
+def test_rms_norm_leaves_other_dtypes_to_mlx():
+    import mlx.nn as nn
+
+    module = nn.RMSNorm(32)
+    x = mx.random.normal((3, 32), key=mx.random.key(12)).astype(mx.float16)
+    got, expected = elementwise.rms_norm(module, x), mx.fast.rms_norm(x, module.weight, module.eps)
+    assert got.dtype == expected.dtype and mx.array_equal(got, expected).item()
+
+
 def test_rope_with_one_offset_per_row_is_mlx_fast_rope():
     import mlx.nn as nn
 

@@ -121,8 +121,15 @@ void rope(const float* x, const float* cos, const float* sin, float* out, int64_
   for (int64_t i = 2 * half; i < n; ++i) out[i] = x[i];
 }
 
+void rms_norm(const float* x, const float* weight, float* out, int64_t n, float inverse_n, float eps) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];  // in order: no reassociation, no contraction
+  const float scale = 1.0f / std::sqrt(sum * inverse_n + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * scale * weight[i];
+}
+
 }  // namespace
 
-const Loops loops = {VELOX_NAME(VELOX_ISA), row_max, shifted_exp, swiglu, rope};
+const Loops loops = {VELOX_NAME(VELOX_ISA), row_max, shifted_exp, swiglu, rope, rms_norm};
 
 }  // namespace velox::VELOX_ISA

@@ -17,6 +17,9 @@ struct Loops {
   // traditional pairs are (2i, 2i + 1), the others (i, i + half)
   void (*rope)(const float* x, const float* cos, const float* sin, float* out, int64_t half, int64_t n,
                bool traditional);
+  // one row of RMS norm as MLX's CPU fallback of mx.fast.rms_norm computes it: the squares summed in index
+  // order, times inverse_n, plus eps, 1 / sqrt of that, then out[i] = (x[i] * it) * weight[i]
+  void (*rms_norm)(const float* x, const float* weight, float* out, int64_t n, float inverse_n, float eps);
 };
 
 namespace avx512 { extern const Loops loops; }

@@ -12,6 +12,8 @@
 //   (Cephes' range reduction and polynomial, ~1 ulp).
 // - `rope(x, cos, sin, dims, traditional)`: RoPE by a precomputed table, the
 //   multiplies and adds of `mx.fast.rope`.
+// - `rms_norm(x, weight, eps)`: `mx.fast.rms_norm` as one op with the bits of the
+//   ops MLX's CPU backend composes it of (square, sum in order, mean, rsqrt, two multiplies).
 //
 // Inputs are read in place whatever their strides (slices, broadcasts,
 // transposes); a strided last axis is packed first. Outputs are row-major.
@@ -192,6 +194,29 @@ class Rope : public VeloxPrimitive {
   bool traditional_;
 };
 
+class RmsNorm : public VeloxPrimitive {
+ public:
+  RmsNorm(mx::Stream s, float eps) : VeloxPrimitive(s), eps_(eps) {}
+  const char* name() const override { return "VeloxRmsNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto* norm = dynamic_cast<const RmsNorm*>(&other);
+    return norm != nullptr && norm->eps_ == eps_;
+  }
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const float eps = eps_;
+    run(inputs, outputs[0], [eps](const std::vector<mx::array>& in, mx::array& out) {
+      const RowReader x(in[0]), weight(in[1]);  // weight: [n]
+      const int64_t n = in[0].shape(-1), rows = in[0].size() / n;
+      const float inverse_n = static_cast<float>(1.0 / static_cast<double>(n));  // mx.mean's normalizer
+      const auto loop = loops().rms_norm;
+      for (int64_t row = 0; row < rows; ++row) loop(x(row), weight(0), out.data<float>() + row * n, n, inverse_n, eps);
+    });
+  }
+
+ private:
+  float eps_;
+};
+
 // ---------------------------------------------------------------- ops
 
 mx::Stream cpu_stream() {
@@ -241,6 +266,15 @@ mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin, i
   return x.dtype() == mx::float32 ? out : mx::astype(out, x.dtype(), s);
 }
 
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
+  const auto s = cpu_stream();
+  if (x.ndim() < 1 || x.dtype() != mx::float32 || weight.dtype() != mx::float32 ||
+      weight.shape() != mx::Shape{x.shape(-1)}) {
+    throw std::invalid_argument("rms_norm: x must be float32 [..., n] and weight float32 [n]");
+  }
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(s, eps), {x, weight});
+}
+
 }  // namespace
 
 namespace velox {
@@ -259,6 +293,8 @@ NB_MODULE(_ops, m) {
         "exp((x - shift) * 2**5) by the kernel's multiply/add polynomial; shift has a last axis of 1.");
   m.def("rope", &rope, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("dims"), nb::arg("traditional"),
         "RoPE of x [..., L, D] by a table of cos and sin [L, dims / 2] (one row per position).");
+  m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"),
+        "mx.fast.rms_norm(x, weight, eps) for float32, with the bits of MLX's CPU fallback (one op, not ~13).");
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"), "silu(gate) * x with a vectorised float32 exp.");
   velox::register_attention(m);
   velox::register_quantized(m);
