@@ -80,13 +80,27 @@ inline Ints load_bytes(const uint8_t* p) {
 }
 inline Floats to_floats(Ints v) { return __builtin_convertvector(v, Floats); }
 
+// Pairwise, in a fixed order: lanes[i] += lanes[i + width] for width = LANES / 2, ..., 1 (by halves of the
+// register where there are intrinsics: the same additions, so the same bits).
 inline float lane_sum(Floats v) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  const __m512 all = (__m512)v;
+  const __m256 eight = _mm256_add_ps(_mm512_castps512_ps256(all), _mm512_extractf32x8_ps(all, 1));
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+#elif defined(__AVX__)
+  const __m256 all = (__m256)v;
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+#else
   float lanes[LANES];
   std::memcpy(lanes, &v, sizeof lanes);
-  // pairwise, in a fixed order
   for (int width = LANES / 2; width >= 1; width /= 2)
     for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
   return lanes[0];
+#endif
 }
 
 // IEEE half to float, exactly (subnormals, infinities and NaN included).
