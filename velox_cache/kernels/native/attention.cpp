@@ -3,10 +3,10 @@
 // [S, N] scores ever reach memory; grouped-query attention without repeating
 // keys or values; a lower-right aligned causal mask that skips the key blocks
 // a query block cannot see; an optional additive or boolean mask; the tasks
-// (batch, KV head, query block) shared by the cores, up to 8 threads unless
-// VELOX_ATTENTION_THREADS says otherwise (no BLAS), each task summing into its
-// own place, added up in task order: the same bits on every run and for any
-// number of threads. The tile loops are attention_loops.cpp, one set per instruction set.
+// (batch, KV head, query block) shared by the cores on the threads the native
+// ops keep (pool.h), up to 8 unless VELOX_ATTENTION_THREADS says otherwise (no
+// BLAS), each task summing into its own place, added up in task order: the
+// same bits on every run and for any number of threads. The tile loops are attention_loops.cpp, one set per instruction set.
 //
 // Outputs, in this order and only those asked for: the attention output
 // [B, H*R, S, D]; each key's attention mass from the last `score_rows` queries,
@@ -34,6 +34,7 @@
 #include <nanobind/stl/tuple.h>
 
 #include "attention.h"
+#include "pool.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
@@ -50,7 +51,7 @@ namespace nb = nanobind;
 namespace velox {
 namespace {
 
-constexpr double MIN_PARALLEL_FLOPS = 4e6;  // below, a second thread costs more to start than it saves
+constexpr double MIN_PARALLEL_FLOPS = 1e6;  // below, waking a second thread costs more than it saves
 constexpr unsigned MAX_THREADS = 8;         // by default; VELOX_ATTENTION_THREADS=n asks for n (read once)
 
 unsigned thread_limit() {
@@ -201,10 +202,7 @@ double solve(const AttentionProblem& p, float* key_mass) {
       scoring[i] = sums.scoring_seconds;
     }
   };
-  std::vector<std::thread> helpers;
-  for (unsigned i = 1; i < threads; ++i) helpers.emplace_back(work);
-  work();
-  for (auto& helper : helpers) helper.join();
+  run_shared(threads, work);
   add_partials(p, tasks, places, key_mass);
   double all = 0.0, scored = 0.0;
   for (size_t i = 0; i < tasks.size(); ++i) all += task_seconds[i], scored += scoring[i];

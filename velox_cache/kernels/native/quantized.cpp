@@ -3,29 +3,25 @@
 // packed weights in place: what mx.quantized_matmul(x, w, scales, biases,
 // transpose=True) computes, with the loops of quantized_loops.cpp (one set per
 // instruction set, picked at load time). The outputs are shared by the cores in
-// ranges of output features, on a small pool of threads kept for the process
-// (VELOX_QUANTIZED_THREADS=n asks for n, read once); each output is computed by
+// ranges of output features, on the pool of threads kept for the process (pool.h;
+// VELOX_QUANTIZED_THREADS=n asks for n, read once); each output is computed by
 // one thread in one order, so the results are the same bits for any number of
 // threads and for a row alone or in a batch.
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include <unistd.h>
-
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include "pool.h"
 #include "quantized.h"
 
 #include "mlx/allocator.h"
@@ -57,96 +53,6 @@ unsigned thread_limit() {
   }();
   return limit;
 }
-
-// Helper threads kept for the process: a call wakes them instead of starting threads (a decode step makes
-// hundreds of small calls). After a job a helper spins 50 us for the next one, then sleeps. One job at a
-// time: a call that finds the pool busy (another stream's) runs alone. A forked child makes its own pool.
-class Pool {
- public:
-  explicit Pool(unsigned helpers) : pid_(getpid()) {
-    for (unsigned i = 0; i < helpers; ++i) std::thread([this, i] { loop(i); }).detach();
-    helpers_ = helpers;
-  }
-
-  static Pool& instance() {
-    static std::mutex creating;
-    static Pool* pool = nullptr;
-    std::lock_guard lock(creating);
-    if (pool == nullptr || pool->pid_ != getpid()) pool = new Pool(thread_limit() - 1);  // never freed: threads outlive
-    return *pool;
-  }
-
-  // work(), on the calling thread and on up to `threads` - 1 helpers. The caller never waits for a helper to
-  // wake: once its own work() returns (every task claimed) it closes the job, and only helpers that joined
-  // while it was open are waited for.
-  void run(unsigned threads, const std::function<void()>& work) {
-    std::unique_lock busy(running_, std::try_to_lock);
-    const unsigned helpers = std::min(threads > 0 ? threads - 1 : 0, helpers_);
-    if (!busy.owns_lock() || helpers == 0) {
-      work();
-      return;
-    }
-    {
-      std::lock_guard lock(mutex_);
-      job_ = &work;
-      open_ = true;
-      wanted_ = helpers;
-      generation_.fetch_add(1, std::memory_order_release);
-    }
-    wake_.notify_all();
-    work();
-    {
-      std::lock_guard lock(mutex_);
-      open_ = false;
-    }
-    while (active_.load(std::memory_order_acquire) != 0) spin_pause();
-  }
-
- private:
-  static void spin_pause() {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#else
-    std::this_thread::yield();
-#endif
-  }
-
-  void loop(unsigned) {
-    uint64_t seen = 0;  // the generation at construction: a job posted before this thread ran is still its
-    for (;;) {
-      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(SPIN_MICROSECONDS);
-      while (generation_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until) {
-        for (int i = 0; i < 16; ++i) spin_pause();
-      }
-      const std::function<void()>* job = nullptr;
-      {
-        std::unique_lock lock(mutex_);
-        wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
-        seen = generation_.load(std::memory_order_acquire);
-        if (open_ && wanted_ > 0) {
-          --wanted_;
-          job = job_;
-          active_.fetch_add(1, std::memory_order_acq_rel);
-        }
-      }
-      if (job != nullptr) {
-        (*job)();
-        active_.fetch_sub(1, std::memory_order_acq_rel);
-      }
-    }
-  }
-
-  static constexpr int SPIN_MICROSECONDS = 50;  // a layer's next matmul comes within this in decoding
-  const pid_t pid_;
-  unsigned helpers_ = 0;
-  std::mutex running_, mutex_;
-  std::condition_variable wake_;
-  std::atomic<uint64_t> generation_{0};
-  const std::function<void()>* job_ = nullptr;
-  bool open_ = false;    // the job takes helpers (under mutex_)
-  unsigned wanted_ = 0;  // helpers it still takes (under mutex_)
-  std::atomic<unsigned> active_{0};  // helpers inside a job
-};
 
 int scale_type_of(mx::Dtype dtype) {
   if (dtype == mx::float32) return SCALE_FLOAT32;
@@ -219,7 +125,7 @@ void share(int64_t features, int64_t work, const std::function<void(int64_t, int
   if (threads == 1) {
     work_through();
   } else {
-    Pool::instance().run(threads, work_through);
+    run_shared(threads, work_through);
   }
 }
 
