@@ -3,7 +3,9 @@
 For each weights mode (``float32``: the GGUF dequantized; ``quantized``: its
 4-bit / 8-bit blocks on Velox's native quantized matmul; with
 ``--mlx-quantized`` also the same blocks on MLX's own ``quantized_matmul``),
-the embedded model decodes ``--steps`` greedy tokens on plain mlx-lm caches:
+the embedded model decodes ``--steps`` greedy tokens on plain mlx-lm caches
+(inside ``velox_cache.fast_attention``: Velox's fused attention and native ops;
+``--unrouted``: mlx-lm's own):
 one row after ``--context`` tokens of prose, and ``--rows`` rows after
 ``--batch-context`` tokens. Each row prints the median step, the linear
 layers alone (each layer once on random rows, the whole model's worth), the
@@ -24,6 +26,7 @@ Ratios are against float32 in the same run. Nothing here asserts on time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -36,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
+import velox_cache  # noqa: E402
 from bench.common import prose  # noqa: E402
 from velox_cache.kernels import quantized  # noqa: E402
 
@@ -144,6 +148,9 @@ def main(argv=None) -> int:
     parser.add_argument("--gemv-mb", type=int, default=512, help="float32 weights the bandwidth GEMV streams")
     parser.add_argument("--gemm-rows", type=int, default=quantized.GEMM_ROWS,
                         help="rows from which quantized layers dequantize and run the float32 GEMM")
+    parser.add_argument("--unrouted", action="store_true",
+                        help="mlx-lm's own attention, norms and activations (default: inside velox_cache.fast_attention, "
+                             "Velox's fused attention and native ops on the plain caches)")
     parser.add_argument("--mlx-quantized", action="store_true",
                         help="also the quantized weights on MLX's quantized_matmul (slow: few steps at many rows)")
     args = parser.parse_args(argv)
@@ -173,7 +180,8 @@ def main(argv=None) -> int:
             size = weight_bytes(layers)
             for rows, context in shapes:
                 steps = args.steps if label != "quantized-mlx" or rows == 1 else min(args.steps, 2)
-                step = decode_seconds(model, tokenizer, rows, context, steps)
+                with contextlib.nullcontext() if args.unrouted else velox_cache.fast_attention(model):
+                    step = decode_seconds(model, tokenizer, rows, context, steps)
                 alone = linears_seconds(layers, rows, args.repeats if steps == args.steps else 1)
                 floor = size / bandwidth if rows == 1 else max(size / bandwidth, layer_flops(layers, rows) / rate)
                 baseline.setdefault(rows, step)
