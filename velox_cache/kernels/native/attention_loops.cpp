@@ -29,31 +29,18 @@
 #include <vector>
 
 #include "attention.h"
-
-#ifndef VELOX_ISA
-#error "VELOX_ISA must name the instruction set (avx512, avx2 or baseline)"
-#endif
-#define VELOX_STRINGIFY(x) #x
-#define VELOX_NAME(x) VELOX_STRINGIFY(x)
+#include "isa_vectors.h"
 
 namespace velox::VELOX_ISA {
 namespace {
 
 #if defined(__AVX512F__)
-constexpr int VECTOR_BYTES = 64;
 constexpr int TILE = 12;  // keys (or value features) per micro-kernel: 12 x 2 accumulators of 32 registers
-#elif defined(__AVX__)
-constexpr int VECTOR_BYTES = 32;
-constexpr int TILE = 6;  // 6 x 2 accumulators of 16 registers
 #else
-constexpr int VECTOR_BYTES = 16;
-constexpr int TILE = 6;
+constexpr int TILE = 6;  // 6 x 2 accumulators of 16 registers
 #endif
-constexpr int LANES = VECTOR_BYTES / 4;
 constexpr int KEY_BLOCK = 64;                // keys per block: St and a block of keys stay in L1/L2
 constexpr int64_t ROWS_PER_TASK = 24 * LANES;  // score rows per task: Qt, St and Ot stay in L2
-typedef float Floats __attribute__((vector_size(VECTOR_BYTES)));
-typedef int32_t Ints __attribute__((vector_size(VECTOR_BYTES)));
 #if defined(__AVX512F__)
 #define LANE_TAIL_8 , 8, 9, 10, 11, 12, 13, 14, 15
 #define LANE_TAIL_4 , 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
@@ -682,7 +669,6 @@ class Task {
     }
   }
 };
-
 
 void run_task(const AttentionProblem& problem, const AttentionTask& task, ScoreSums& sums) {
   thread_local Workspace workspace;

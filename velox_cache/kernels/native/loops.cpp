@@ -7,54 +7,18 @@
 #include <cmath>
 #include <cstring>
 
+#include "isa_vectors.h"
 #include "loops.h"
-
-#ifndef VELOX_ISA
-#error "VELOX_ISA must name the instruction set (avx512, avx2 or baseline)"
-#endif
-#define VELOX_STRINGIFY(x) #x
-#define VELOX_NAME(x) VELOX_STRINGIFY(x)
 
 namespace velox::VELOX_ISA {
 namespace {
-
-#if defined(__AVX512F__)
-constexpr int VECTOR_BYTES = 64;
-#elif defined(__AVX__)
-constexpr int VECTOR_BYTES = 32;
-#else
-constexpr int VECTOR_BYTES = 16;
-#endif
-constexpr int LANES = VECTOR_BYTES / 4;
-typedef float Floats __attribute__((vector_size(VECTOR_BYTES)));
-typedef int32_t Ints __attribute__((vector_size(VECTOR_BYTES)));
 
 constexpr int SQUARINGS = 5;                          // velox_cache.kernels.kernel.SQUARINGS
 constexpr float CUTOFF = -64.0f / (1 << SQUARINGS);  // velox_cache.kernels.kernel.CUTOFF / 2**SQUARINGS
 constexpr float TAYLOR[7] = {1.0f, 1.0f, 0.5f, static_cast<float>(1.0 / 6), static_cast<float>(1.0 / 24),
                              static_cast<float>(1.0 / 120), static_cast<float>(1.0 / 720)};
 
-// The larger of two floats, NaN if either is NaN (as MLX's max).
-inline float max_or_nan(float best, float v) {
-  return ((v > best) | (v != v)) ? v : best;
-}
-
-void row_max(const float* x, float* out, int64_t n) {
-  Floats best;
-  Ints nan = {};
-  for (int j = 0; j < LANES; ++j) best[j] = -INFINITY;
-  int64_t i = 0;
-  for (; i + LANES <= n; i += LANES) {
-    Floats v;
-    std::memcpy(&v, x + i, sizeof v);
-    best = v > best ? v : best;
-    nan |= v != v;
-  }
-  float result = -INFINITY;
-  for (int j = 0; j < LANES; ++j) result = nan[j] ? NAN : max_or_nan(result, best[j]);
-  for (; i < n; ++i) result = max_or_nan(result, x[i]);
-  *out = result;
-}
+void row_max(const float* x, float* out, int64_t n) { *out = row_maximum(x, n); }
 
 void shifted_exp(const float* x, float shift, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {

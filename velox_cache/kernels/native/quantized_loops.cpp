@@ -18,36 +18,23 @@
 #include <cstring>
 #include <vector>
 
+#include "isa_vectors.h"
 #include "quantized.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 
-#ifndef VELOX_ISA
-#error "VELOX_ISA must name the instruction set (avx512, avx2 or baseline)"
-#endif
-#define VELOX_STRINGIFY(x) #x
-#define VELOX_NAME(x) VELOX_STRINGIFY(x)
-
 namespace velox::VELOX_ISA {
 namespace {
 
 #if defined(__AVX512F__)
-constexpr int VECTOR_BYTES = 64;
 constexpr int MAX_ROWS = 8;  // 16 accumulators of 32 registers
-#elif defined(__AVX__)
-constexpr int VECTOR_BYTES = 32;
-constexpr int MAX_ROWS = 4;  // 8 accumulators of 16 registers
 #else
-constexpr int VECTOR_BYTES = 16;
-constexpr int MAX_ROWS = 4;
+constexpr int MAX_ROWS = 4;  // 8 accumulators of 16 registers
 #endif
-constexpr int LANES = VECTOR_BYTES / 4;
 constexpr int CHUNK = 2 * LANES;  // values per step: two vectors
 constexpr int64_t GROUP_BLOCK = 64;  // groups whose scales and biases are converted to float32 at once
-typedef float Floats __attribute__((vector_size(VECTOR_BYTES)));
-typedef int32_t Ints __attribute__((vector_size(VECTOR_BYTES)));
 typedef uint8_t Bytes __attribute__((vector_size(LANES)));
 
 inline Floats load(const float* p) {

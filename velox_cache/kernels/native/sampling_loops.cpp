@@ -10,31 +10,15 @@
 #include <cmath>
 #include <cstring>
 
+#include "isa_vectors.h"
 #include "sampling.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 
-#ifndef VELOX_ISA
-#error "VELOX_ISA must name the instruction set (avx512, avx2 or baseline)"
-#endif
-#define VELOX_STRINGIFY(x) #x
-#define VELOX_NAME(x) VELOX_STRINGIFY(x)
-
 namespace velox::VELOX_ISA {
 namespace {
-
-#if defined(__AVX512F__)
-constexpr int VECTOR_BYTES = 64;
-#elif defined(__AVX__)
-constexpr int VECTOR_BYTES = 32;
-#else
-constexpr int VECTOR_BYTES = 16;
-#endif
-constexpr int LANES = VECTOR_BYTES / 4;
-typedef float Floats __attribute__((vector_size(VECTOR_BYTES)));
-typedef int32_t Ints __attribute__((vector_size(VECTOR_BYTES)));
 
 inline Floats fused_multiply_add(Floats a, Floats b, Floats c) {
 #if defined(__AVX512F__)
@@ -89,30 +73,13 @@ inline Floats mlx_exp(Floats x_init) {
   return result;
 }
 
-// MLX's simd::maximum(value, best): NaN once any value is NaN.
-inline float nan_maximum(float value, float best) {
-  if (value != value) return value;
-  return value > best ? value : best;
-}
-
 void greedy(const float* x, int64_t n, float* scratch, uint32_t* token, float* logprob) {
-  // the maximum, NaN if any logit is
-  Floats best = splat(-INFINITY);
-  Ints nan = {};
-  int64_t i = 0;
-  for (; i + LANES <= n; i += LANES) {
-    Floats v;
-    std::memcpy(&v, x + i, sizeof v);
-    best = v > best ? v : best;
-    nan |= v != v;
-  }
-  float maximum = -INFINITY;
-  for (int j = 0; j < LANES; ++j) maximum = nan[j] ? NAN : nan_maximum(best[j], maximum);
-  for (; i < n; ++i) maximum = nan_maximum(x[i], maximum);
+  const float maximum = row_maximum(x, n);  // NaN if any logit is, as MLX's simd::maximum gives
 
   // exp(x - maximum), then their sum in index order
   const Floats shift = splat(maximum);
-  for (i = 0; i + LANES <= n; i += LANES) {
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
     Floats v;
     std::memcpy(&v, x + i, sizeof v);
     const Floats e = mlx_exp(v - shift);
