@@ -52,15 +52,9 @@ namespace velox {
 namespace {
 
 constexpr double MIN_PARALLEL_FLOPS = 1e6;  // below, waking a second thread costs more than it saves
-constexpr unsigned MAX_THREADS = 8;         // by default; VELOX_ATTENTION_THREADS=n asks for n (read once)
 
 unsigned thread_limit() {
-  static const unsigned limit = [] {
-    const char* asked = std::getenv("VELOX_ATTENTION_THREADS");
-    const int n = asked != nullptr ? std::atoi(asked) : 0;
-    if (n >= 1) return static_cast<unsigned>(std::min(n, 256));
-    return std::min(std::max(1u, std::thread::hardware_concurrency()), MAX_THREADS);
-  }();
+  static const unsigned limit = threads_wanted("VELOX_ATTENTION_THREADS");  // read once
   return limit;
 }
 
@@ -173,7 +167,7 @@ void add_partials(const AttentionProblem& p, const std::vector<AttentionTask>& t
   }
 }
 
-// Run every task on up to MAX_THREADS threads, claimed as they come; the key mass goes to `key_mass` (zeroed),
+// Run every task on up to thread_limit() threads, claimed as they come; the key mass goes to `key_mass` (zeroed),
 // the entropy sum out. Each task sums into its own place and the places are added in task order: the results
 // are the same bits on every run and for any number of threads.
 // Wall seconds of every call's scoring passes so far: each call's wall time times its tasks' share of time

@@ -16,19 +16,9 @@
 namespace velox {
 namespace {
 
-constexpr unsigned DEFAULT_MAX_THREADS = 8;
-
-unsigned asked(const char* variable) {
-  const char* value = std::getenv(variable);
-  const int n = value != nullptr ? std::atoi(value) : 0;
-  return n >= 1 ? static_cast<unsigned>(std::min(n, 256)) : 0u;
-}
-
 // Enough threads for whichever op asks the most (each call still takes only what its own limit says).
 unsigned pool_threads() {
-  const unsigned fallback = std::min(std::max(1u, std::thread::hardware_concurrency()), DEFAULT_MAX_THREADS);
-  const unsigned quantized = asked("VELOX_QUANTIZED_THREADS"), attention = asked("VELOX_ATTENTION_THREADS");
-  return std::max({quantized ? quantized : fallback, attention ? attention : fallback, 1u});
+  return std::max({threads_wanted("VELOX_QUANTIZED_THREADS"), threads_wanted("VELOX_ATTENTION_THREADS"), 1u});
 }
 
 // Helper threads kept for the process: a call wakes them instead of starting threads. After a job a helper
@@ -122,6 +112,14 @@ class Pool {
 };
 
 }  // namespace
+
+unsigned threads_wanted(const char* variable) {
+  constexpr unsigned DEFAULT_MAX_THREADS = 8;
+  const char* value = std::getenv(variable);
+  const int n = value != nullptr ? std::atoi(value) : 0;
+  if (n >= 1) return static_cast<unsigned>(std::min(n, 256));
+  return std::min(std::max(1u, std::thread::hardware_concurrency()), DEFAULT_MAX_THREADS);
+}
 
 void run_shared(unsigned threads, const std::function<void()>& work) { Pool::instance().run(threads, work); }
 

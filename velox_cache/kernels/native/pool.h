@@ -13,4 +13,8 @@ namespace velox {
 // runs work() alone.
 void run_shared(unsigned threads, const std::function<void()>& work);
 
+// The threads an op takes: `variable`'s count where the environment sets it (1 to 256), else one per core up
+// to 8. Callers read it once per process.
+unsigned threads_wanted(const char* variable);
+
 }  // namespace velox

@@ -36,7 +36,6 @@ namespace velox {
 namespace {
 
 constexpr int64_t MIN_PARALLEL_WEIGHTS = 1 << 19;  // out x in features (x rows) below which one thread is faster
-constexpr unsigned MAX_THREADS = 8;                 // by default
 constexpr int64_t FEATURES_PER_TASK = 16;           // output features a task takes at least
 
 const QuantizedLoops& quantized_loops() {
@@ -45,12 +44,7 @@ const QuantizedLoops& quantized_loops() {
 }
 
 unsigned thread_limit() {
-  static const unsigned limit = [] {
-    const char* asked = std::getenv("VELOX_QUANTIZED_THREADS");
-    const int n = asked != nullptr ? std::atoi(asked) : 0;
-    if (n >= 1) return static_cast<unsigned>(std::min(n, 256));
-    return std::min(std::max(1u, std::thread::hardware_concurrency()), MAX_THREADS);
-  }();
+  static const unsigned limit = threads_wanted("VELOX_QUANTIZED_THREADS");  // read once
   return limit;
 }
 
