@@ -39,7 +39,8 @@ class DecodeRow:
     ``logprobs`` ``[1, V]``: the next token's log-probabilities (the prefill's
     last position, processed by the sampler's logits processors); while rows
     decode together the batch holds them as one ``[B, V]`` array, and a row that
-    leaves the batch carries its ``pending`` token instead.
+    leaves the batch carries its ``pending`` token instead. A plain greedy row
+    decoding alone picks from the logits (``greedy_choice``) and leaves it as it was.
     """
 
     caches: list
@@ -145,13 +146,15 @@ def decode_alone(model, row: DecodeRow, *, pipelined: bool = False) -> DecodeRow
     start = time.perf_counter()
     logits = None  # the next step's, when it was built ahead
     while not row.done:
-        chosen = None
+        choice = None
         if row.pending is not None:
             logits = model(mx.array([[row.pending]]), cache=row.caches)[:, -1, :] if logits is None else logits
             row.pending = None
-            row.logprobs = row.sampler.logprobs(logits)  # lazy: evaluated only where it is sampled from
-            chosen = greedy_choice(logits) if row.sampler.plain_greedy else None
-        token, value = chosen or _sample_together([row], row.logprobs)
+            if row.sampler.plain_greedy:
+                choice = greedy_choice(logits)
+            else:
+                row.logprobs = row.sampler.logprobs(logits)
+        token, value = choice if choice is not None else _sample_together([row], row.logprobs)
         mx.async_eval(token, value)
         logits, saved = None, None
         if pipelined and not row.stops_after_next:

@@ -80,6 +80,16 @@ def test_leading_axes_strided_rows_and_half_precision_are_taken_as_mlx_takes_the
 
 
 @needs_native
+def test_a_row_gets_the_same_choice_alone_and_in_a_batch():
+    logits = mx.random.normal((5, 49152), key=mx.random.key(3)) * 6
+    tokens, logprobs = greedy_choice(logits)
+    for row in range(5):
+        alone_token, alone_logprob = greedy_choice(logits[row : row + 1])
+        assert alone_token.item() == tokens[row].item()
+        assert _bits(alone_logprob) == _bits(logprobs[row : row + 1])
+
+
+@needs_native
 @exact
 @pytest.mark.parametrize("instruction_set", ["avx512", "avx2", "baseline"])
 def test_each_instruction_set_gives_the_same_bits(instruction_set):
