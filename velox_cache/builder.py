@@ -18,7 +18,7 @@ from .cache.model_caches import (
 )
 from .config import ConfigError, KVCacheConfig
 from .kernels.masks import SharedMaskRecord
-from .policies import POLICIES
+from .policies import policy_class
 
 
 class KVCacheFactory:
@@ -32,7 +32,7 @@ class KVCacheFactory:
         """
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config: expected a KVCacheConfig, got {type(config).__name__}")
-        return POLICIES[config.method](_resolved(config, prompt_tokens))
+        return policy_class(config)(_resolved(config, prompt_tokens))
 
 
 class KVCacheBuilder:
@@ -73,7 +73,7 @@ class KVCacheBuilder:
             raise UnsupportedModelError(
                 f"{architecture_name(model)} cannot be compressed by Velox: {refusal_reason(caches)}"
             )
-        policy = POLICIES[config.method]
+        policy = policy_class(config)
         size = None
         if config.fit_budgets and prompt_tokens is not None and config.method != "full":
             size = PromptSize(prompt_tokens, new_tokens, floor=config.n_sink + 1)

@@ -15,6 +15,8 @@ SCORINGS = ("observed", "key_proxy")
 EVICTIONS = ("continuous", "prefill_end", "streaming")
 SELECTIONS = ("cumulative", "window", "reconstruction")
 KV_DTYPES = ("float16", "bfloat16", "float32")
+KV_BITS = (8, 4)
+QUANTIZED_METHODS = ("full",)  # the methods whose caches hold quantized tokens (kv_bits) so far
 HEAD_BUDGETS = ("uniform", "adaptive")
 
 # Each method's timing and prefill-end ranking when a config leaves them open: its policy class's
@@ -126,6 +128,16 @@ class KVCacheConfig:
         resolved_budget: this layer's budget when set (``for_model`` fills it in
             for pyramidkv; an explicit override otherwise).
         kv_dtype: dtype of the stored keys/values (default: the model's).
+        kv_bits: ``8`` or ``4``: held keys and values are quantized (KIVI: keys
+            per channel over groups of ``kv_group_size`` tokens, values per
+            token over groups of ``kv_group_size`` features), the newest
+            ``kv_window`` tokens and an unfinished group in full precision.
+            ``None``: held in float. The full cache takes it so far
+            (``velox_cache.policies.full.QuantizedFullKVCache``); its attention
+            must be routed through Velox.
+        kv_group_size: tokens per key scale (and features per value scale, at
+            most the head dim, which it must divide).
+        kv_window: the newest tokens kept in full precision under ``kv_bits``.
         scoring: ``observed`` (real attention, needs ``velox_cache.observe``) or
             ``key_proxy`` (each key stands in for its query). ``None`` picks
             observed while the model is observed, key proxy otherwise.
@@ -216,6 +228,9 @@ class KVCacheConfig:
     strength: float = 0.5
     resolved_budget: Optional[int] = None
     kv_dtype: Optional[str] = None
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
+    kv_window: int = 64
     scoring: Optional[str] = None
     eviction: Optional[str] = None
     selection: Optional[str] = None
@@ -240,6 +255,14 @@ class KVCacheConfig:
         _check_number("beta", self.beta, 1.0)
         _check_number("strength", self.strength, 0.0, 1.0)
         _check_choice("kv_dtype", self.kv_dtype, KV_DTYPES, optional=True)
+        if self.kv_bits is not None and (isinstance(self.kv_bits, bool) or self.kv_bits not in KV_BITS):
+            raise ConfigError(f"kv_bits: {self.kv_bits!r} is not one of {', '.join(map(str, KV_BITS))} (or null: float)")
+        if self.kv_bits is not None and self.method not in QUANTIZED_METHODS:
+            raise ConfigError(
+                f"kv_bits: method {self.method!r} cannot hold quantized tokens yet; only {', '.join(QUANTIZED_METHODS)} can"
+            )
+        _check_int("kv_group_size", self.kv_group_size, 2)
+        _check_int("kv_window", self.kv_window, 0)
         _check_choice("scoring", self.scoring, SCORINGS, optional=True)
         _check_choice("eviction", self.eviction, EVICTIONS, optional=True)
         _check_choice("selection", self.selection, SELECTIONS, optional=True)

@@ -81,6 +81,8 @@ class _Row:
     def of(cls, cache, layer: int) -> "_Row":
         if isinstance(cache, EvictingKVCache):
             return cls._of_evicting(cache, layer)
+        if getattr(cache, "kv_bits", None):
+            raise BatchUnsupported(f"layer {layer}: a cache holding quantized tokens (kv_bits) decodes alone")
         if not isinstance(cache, KVCache) or cache.keys is None:
             raise BatchUnsupported(
                 f"layer {layer}: a {type(cache).__name__} cannot decode in a batch (only Velox's evicting "

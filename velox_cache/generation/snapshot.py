@@ -18,12 +18,13 @@ from mlx_lm.models.cache import _BaseCache
 
 from ..budgets.allocators import UniformBudget
 from ..cache.phases import LayerPhase
+from ..cache.quantized_tokens import QuantizedTokens
 from ..cache.selection import WindowSelector
 from ..cache.slots import TokenSlots
 from ..cache.timing import Continuous
 
 # A cache and the per-sequence parts it owns: each is copied, with the arrays it holds.
-PER_SEQUENCE = (_BaseCache, TokenSlots, WindowSelector, LayerPhase, Continuous, UniformBudget)
+PER_SEQUENCE = (_BaseCache, TokenSlots, WindowSelector, LayerPhase, Continuous, UniformBudget, QuantizedTokens)
 
 
 def snapshot(caches: list) -> list:

@@ -163,6 +163,48 @@ def attend_and_score(
     return AttentionResult(output, key_mass, entropy, batch * n_q_heads * entropy_rows)
 
 
+def attend_quantized(
+    queries: mx.array,
+    held,
+    *,
+    scale: float,
+    mask: Mask = None,
+    sinks: Optional[mx.array] = None,
+    score_rows: int = 0,
+    entropy_rows: int = 0,
+) -> AttentionResult:
+    """``attend_and_score`` over quantized keys and values (``held``: a ``kv_codes.QuantizedKV``).
+
+    On Velox's kernel with the native ops built, the fused primitive reads the
+    codes and dequantizes one key block at a time inside its tiles: no float
+    copy of the cache is made. Everywhere else (no native build, Metal and
+    CUDA, ``VELOX_ATTENTION=exact``, sinks) the held tokens are dequantized
+    first and attended as floats (``QuantizedKV.dequantized``: a float copy
+    for the call). Held tokens none of which is quantized yet (a prompt still
+    being read) take ``attend_and_score`` on the float ones, exactly.
+    """
+    batch, n_q_heads, n_queries, _ = queries.shape
+    if held.quantized == 0:
+        return attend_and_score(
+            queries, held.keys, held.values, scale=scale, mask=mask, sinks=sinks,
+            score_rows=score_rows, entropy_rows=entropy_rows,
+        )
+    score_rows, entropy_rows = min(score_rows, n_queries), min(entropy_rows, n_queries)
+    if uses_kernel() and kernel_supports(queries, held, held, mask, sinks):  # it reads shapes only
+        from .fused import fused_attention_quantized
+
+        result = fused_attention_quantized(
+            queries, held, scale=scale, mask=mask, score_rows=score_rows, entropy_rows=entropy_rows
+        )
+        if result is not None:
+            return AttentionResult(*result, batch * n_q_heads * entropy_rows)
+    keys, values = held.dequantized()
+    return attend_and_score(
+        queries, keys.astype(queries.dtype), values.astype(queries.dtype), scale=scale, mask=mask, sinks=sinks,
+        score_rows=score_rows, entropy_rows=entropy_rows,
+    )
+
+
 def attend(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Mask = None) -> mx.array:
     """Only the attention output (what a model's attention call needs)."""
     return attend_and_score(queries, keys, values, scale=scale, mask=mask).output

@@ -10,8 +10,8 @@ Layer: above ``cache/``, ``budgets/`` and ``kernels/``, below ``builder.py``;
 imports only from those three and ``config.py``.
 """
 
-from ..config import DEFAULT_TIMINGS, METHODS
-from .full import FullKVCache
+from ..config import DEFAULT_TIMINGS, METHODS, KVCacheConfig
+from .full import FullKVCache, QuantizedFullKVCache
 from .h2o import H2OCache
 from .pyramidkv import PyramidKVCache
 from .registry import PolicyRegistry
@@ -25,4 +25,13 @@ for _policy in (FullKVCache, H2OCache, TOVACache, SnapKVCache, StreamingLLMCache
     POLICIES.register(_policy)
 POLICIES.check_complete()
 
-__all__ = [cls.__name__ for cls in POLICIES.values()] + ["POLICIES"]
+
+
+def policy_class(config: KVCacheConfig) -> type:
+    """The cache class that builds ``config``'s layers: its method's policy, or its quantized form (``kv_bits``)."""
+    if config.kv_bits and config.method == "full":
+        return QuantizedFullKVCache
+    return POLICIES[config.method]
+
+
+__all__ = [cls.__name__ for cls in POLICIES.values()] + ["POLICIES", "QuantizedFullKVCache", "policy_class"]

@@ -1,14 +1,20 @@
-"""The full cache: mlx-lm's ``KVCache`` with Velox accounting (the quality baseline)."""
+"""The full cache: mlx-lm's ``KVCache`` with Velox accounting (the quality baseline), and its quantized form."""
 
 from __future__ import annotations
 
 from typing import Optional
 
+import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from ..budgets.allocators import UniformBudget
 from ..cache.accounting import CacheAccounting
+from ..cache.phases import Phase
+from ..cache.quantized_tokens import QuantizedTokens
 from ..config import KVCacheConfig
+from ..kernels.attend import attend_quantized
+from ..kernels.masks import fit_mask
+from ..kernels.observe import is_routed
 
 
 class FullKVCache(CacheAccounting, KVCache):
@@ -39,3 +45,130 @@ class FullKVCache(CacheAccounting, KVCache):
     @property
     def concentration(self) -> float:
         return 0.0
+
+
+class QuantizedFullKVCache(FullKVCache):
+    """The full cache at ``config.kv_bits``: every token kept, quantized once its key group is whole (KIVI).
+
+    While the prompt is read every token stays in float, so prefill computes
+    exactly what ``FullKVCache`` computes (and a stack cut from a shared
+    reading's float full stack is this cache's own, ``from_float``). When
+    decoding starts (the phase told, or the first single-token call outside a
+    probe) the held tokens are quantized a group of ``kv_group_size`` at a
+    time (``velox_cache.cache.quantized_tokens``), the newest ``kv_window``
+    and the rest of a group kept in float; each decode step's token joins
+    that window and a group is quantized whenever one more is whole. Keys are
+    quantized per channel, values per token.
+
+    Attention must run through Velox (``velox_cache.fast_attention`` or
+    ``observe``): the model's own attention cannot read codes. Decodes alone:
+    batched decoding refuses it.
+    """
+
+    def __init__(self, config: Optional[KVCacheConfig] = None, layer_id: Optional[int] = None):
+        super().__init__(config, layer_id)
+        if not self.config.kv_bits:
+            raise ValueError("config: a QuantizedFullKVCache needs kv_bits (8 or 4)")
+        self.tokens = QuantizedTokens(self.config.kv_bits, self.config.kv_group_size, self.config.kv_window)
+        self.decoding = False
+        self._probe_marks: list = []  # (tokens mark, offset) of each probe running
+
+    kv_bits = property(lambda self: self.config.kv_bits, doc="Bits per held key and value code (8 or 4).")
+
+    @classmethod
+    def from_float(cls, config: KVCacheConfig, source, layer_id: Optional[int] = None) -> "QuantizedFullKVCache":
+        """The cache that reading the same prompt at ``config.kv_bits`` leaves, from ``source``'s float tokens
+        (a ``FullKVCache`` or mlx-lm ``KVCache`` that read it, not yet decoding). Shares no array with it."""
+        cache = cls(config, layer_id)
+        if source.keys is not None and source.offset:
+            cache.tokens.adopt_float(source.keys[:, :, : source.offset], source.values[:, :, : source.offset])
+        cache.offset = source.offset
+        return cache
+
+    # ----- phases (``velox_cache.cache.phases``) ----------------------------------------------
+
+    lookahead = 0
+    uses_probes = False
+    reconstructs = False
+
+    def begin_phase(self, phase) -> None:
+        """``decode``: quantize the prompt's whole groups now; other phases change nothing."""
+        if Phase.parse(phase) is Phase.DECODE and not self._probe_marks:
+            self._start_decoding()
+
+    def begin_probe(self, kind: str = "probe") -> None:
+        """The next calls are dropped by ``end_probe`` (nothing is quantized meanwhile)."""
+        self._probe_marks.append((self.tokens.mark(), self.offset))
+
+    def end_probe(self) -> None:
+        if self._probe_marks:
+            mark, offset = self._probe_marks.pop()
+            self.tokens.restore(mark)
+            self.offset = offset
+
+    def _start_decoding(self) -> None:
+        self.decoding = True
+        self.tokens.settle()
+
+    # ----- mlx-lm cache protocol --------------------------------------------------------------
+
+    def update_and_fetch(self, keys, values):
+        """Hold the new tokens and return every held one as a ``velox_cache.kernels.kv_codes.QuantizedKV``
+        (twice: for the keys and the values the model passes on to its attention)."""
+        if not is_routed():
+            raise RuntimeError(
+                f"layer {self.layer_id}: kv_bits caches hold codes the model's own attention cannot read; run the "
+                "model inside `velox_cache.fast_attention(model)` or `velox_cache.observe(model)`"
+            )
+        if keys.shape[2] == 1 and not self.decoding and not self._probe_marks:
+            self._start_decoding()  # never told: the first generated token, as mlx_lm.generate feeds it
+        self.tokens.append(keys, values)
+        self.offset += keys.shape[2]
+        if self.decoding and not self._probe_marks:
+            self.tokens.settle()
+        held = self.tokens.held()
+        return held, held
+
+    def observe_attention(self, queries, keys, values, scale, mask, sinks=None):
+        """The attention Velox routes here: over the codes and the float window (``attend_quantized``)."""
+        if isinstance(mask, mx.array):
+            mask = fit_mask(mask, queries.shape[2], keys.shape[2])
+        return attend_quantized(queries, keys, scale=scale, mask=mask, sinks=sinks).output
+
+    @property
+    def state(self):
+        return self.tokens.arrays
+
+    @state.setter
+    def state(self, value):
+        raise NotImplementedError(f"{type(self).__name__} cannot be restored from a saved state")
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        return self.tokens.empty
+
+    # ----- accounting (what the codes, scales and window really take) ----------------------------
+
+    @property
+    def kv_heads(self) -> int:
+        return self.tokens.kv_heads
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes the held tokens take: codes, group numbers, scales and zeros, and the float window."""
+        return self.tokens.kept_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens.nbytes
+
+    @property
+    def full_seq_bytes(self) -> int:
+        """Bytes every token seen would take in float (the window's dtype): what the codes are compared to."""
+        return self.offset * self.tokens.float_bytes_per_token()
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.offset * self.kv_heads * (0 if self.tokens.empty else self.tokens.tail_keys.shape[0])

@@ -215,8 +215,24 @@ struct Settings {
   bool causal, has_values, has_mask;
   int score_rows, entropy_rows;
   int pooled_heads;  // > 0: the last input is key_heads [N] (int32), the KV head of each pooled slot
+  int kv_bits = 0;   // 8 or 4: quantized keys and values (QuantizedKeysValues) follow the other inputs
+  int value_group = 0;
   bool operator==(const Settings&) const = default;
+
+  // Where the quantized inputs start: key codes, key scales, key zeros, key groups, then (with values) value
+  // codes, value scales, value zeros.
+  size_t quantized_input() const { return 2 + has_values + has_mask + (pooled_heads > 0); }
 };
+
+// Strides of `a`'s first `axes` axes, in elements; its last axis must be contiguous (the cache's buffers are).
+template <typename T>
+const T* rows_of(const mx::array& a, int64_t* strides, int axes) {
+  if (a.strides()[a.ndim() - 1] != 1 && a.shape(a.ndim() - 1) > 1) {
+    throw std::invalid_argument("attention: quantized codes, scales and groups need a contiguous last axis");
+  }
+  for (int axis = 0; axis < axes; ++axis) strides[axis] = a.strides()[axis];
+  return a.data<T>();
+}
 
 void compute(const Settings& settings, const std::vector<mx::array>& in, std::vector<mx::array>& out) {
   const mx::array& queries = in[0];
@@ -260,6 +276,31 @@ void compute(const Settings& settings, const std::vector<mx::array>& in, std::ve
     for (int64_t j = 0; j < p.n_keys; ++j) key_heads[j] = source[j * step];
     p.key_heads = key_heads.data();
   }
+  if (settings.kv_bits != 0) {
+    QuantizedKeysValues& q = p.quantized;
+    size_t at = settings.quantized_input();
+    const mx::array& key_codes = in[at];
+    q.bits = settings.kv_bits;
+    q.count = key_codes.shape(2);
+    q.key_codes = rows_of<uint8_t>(key_codes, q.key_code_strides, 3);
+    q.key_scales = rows_of<float>(in[at + 1], q.key_scale_strides, 3);
+    int64_t zero_strides[3];
+    q.key_zeros = rows_of<float>(in[at + 2], zero_strides, 3);
+    if (!std::equal(zero_strides, zero_strides + 3, q.key_scale_strides)) {
+      throw std::invalid_argument("attention: key scales and zeros must be laid out alike");
+    }
+    q.key_groups = rows_of<int32_t>(in[at + 3], q.key_group_strides, 2);
+    if (settings.has_values) {
+      q.value_codes = rows_of<uint8_t>(in[at + 4], q.value_code_strides, 3);
+      q.value_scales = rows_of<float>(in[at + 5], q.value_scale_strides, 3);
+      q.value_zeros = rows_of<float>(in[at + 6], zero_strides, 3);
+      if (!std::equal(zero_strides, zero_strides + 3, q.value_scale_strides)) {
+        throw std::invalid_argument("attention: value scales and zeros must be laid out alike");
+      }
+      q.value_group = settings.value_group;
+    }
+    p.n_keys += q.count;
+  }
   float* key_mass = nullptr;
   if (settings.score_rows > 0) {
     key_mass = out[next_output++].data<float>();
@@ -287,13 +328,15 @@ class Attention : public mx::Primitive {
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return shapes(inputs[0], inputs[1]);
+    const int quantized = settings_.kv_bits != 0 ? inputs[settings_.quantized_input()].shape(2) : 0;
+    return shapes(inputs[0], inputs[1], quantized);
   }
 
-  std::vector<mx::Shape> shapes(const mx::array& queries, const mx::array& keys) const {
+  // The outputs' shapes; `quantized` keys come before the float `keys` (0 without quantized inputs).
+  std::vector<mx::Shape> shapes(const mx::array& queries, const mx::array& keys, int quantized = 0) const {
     std::vector<mx::Shape> result;
     if (settings_.has_values) result.push_back(queries.shape());
-    if (settings_.score_rows > 0) result.push_back({keys.shape(0), keys.shape(1), keys.shape(2)});
+    if (settings_.score_rows > 0) result.push_back({keys.shape(0), keys.shape(1), keys.shape(2) + quantized});
     if (settings_.entropy_rows > 0) result.push_back({});
     return result;
   }
@@ -378,6 +421,97 @@ std::tuple<std::optional<mx::array>, std::optional<mx::array>, std::optional<mx:
   return result;
 }
 
+// Attention over quantized keys and values followed by float ones (the full-precision window): checks the
+// layout of velox_cache/kernels/kv_codes.py and builds the same primitive with the codes as extra inputs.
+std::tuple<std::optional<mx::array>, std::optional<mx::array>, std::optional<mx::array>> attention_quantized(
+    const mx::array& queries, const mx::array& keys, const std::optional<mx::array>& values,
+    const mx::array& key_codes, const mx::array& key_scales, const mx::array& key_zeros,
+    const mx::array& key_groups, const std::optional<mx::array>& value_codes,
+    const std::optional<mx::array>& value_scales, const std::optional<mx::array>& value_zeros,
+    const std::optional<mx::array>& mask, float scale, bool causal, int score_rows, int entropy_rows, int bits,
+    int value_group) {
+  const auto s = mx::default_stream(mx::Device::cpu);
+  if (queries.ndim() != 4 || keys.ndim() != 4) {
+    throw std::invalid_argument("attention_quantized: queries [B, H*R, S, D] and float keys [B, H, N, D]");
+  }
+  const int batch = queries.shape(0), q_heads = queries.shape(1), n_queries = queries.shape(2),
+            dim = queries.shape(3);
+  const int kv_heads = keys.shape(1);
+  if (bits != 8 && bits != 4) throw std::invalid_argument("attention_quantized: bits must be 8 or 4");
+  if (bits == 4 && dim % 2) throw std::invalid_argument("attention_quantized: 4 bits need an even head dim");
+  if (keys.shape(0) != batch || keys.shape(3) != dim || kv_heads == 0 || q_heads % kv_heads) {
+    throw std::invalid_argument("attention_quantized: keys must be [B, H, N, D] with H dividing the query heads");
+  }
+  const int count = key_codes.ndim() == 4 ? key_codes.shape(2) : -1;
+  const mx::Shape codes_shape = {batch, kv_heads, count, dim * bits / 8};
+  if (key_codes.shape() != codes_shape || key_codes.dtype() != mx::uint8) {
+    throw std::invalid_argument("attention_quantized: key_codes must be uint8 [B, H, count, D * bits / 8]");
+  }
+  if (key_scales.ndim() != 4 || key_scales.shape(0) != batch || key_scales.shape(1) != kv_heads ||
+      key_scales.shape(3) != dim || key_zeros.shape() != key_scales.shape()) {
+    throw std::invalid_argument("attention_quantized: key scales and zeros must be [B, H, groups, D]");
+  }
+  if (key_groups.shape() != mx::Shape{batch, kv_heads, count}) {
+    throw std::invalid_argument("attention_quantized: key_groups must be [B, H, count]");
+  }
+  if (values.has_value() != value_codes.has_value() || values.has_value() != value_scales.has_value() ||
+      values.has_value() != value_zeros.has_value()) {
+    throw std::invalid_argument("attention_quantized: values, value codes, scales and zeros come together");
+  }
+  if (values) {
+    if (values->shape() != keys.shape()) throw std::invalid_argument("attention_quantized: values must be keys' shape");
+    if (value_group < 1 || dim % value_group || (bits == 4 && value_group % 2)) {
+      throw std::invalid_argument("attention_quantized: value_group must divide the head dim (and be even at 4 bits)");
+    }
+    if (value_codes->shape() != codes_shape || value_codes->dtype() != mx::uint8) {
+      throw std::invalid_argument("attention_quantized: value_codes must be uint8 like key_codes");
+    }
+    const mx::Shape scales_shape = {batch, kv_heads, count, dim / value_group};
+    if (value_scales->shape() != scales_shape || value_zeros->shape() != scales_shape) {
+      throw std::invalid_argument("attention_quantized: value scales and zeros must be [B, H, count, D / value_group]");
+    }
+  }
+  const int n_keys = count + keys.shape(2);
+  if (causal && (mask || n_keys < n_queries)) {
+    throw std::invalid_argument("attention_quantized: causal takes no mask array and at least as many keys as queries");
+  }
+  score_rows = std::clamp(score_rows, 0, n_queries);
+  entropy_rows = std::clamp(entropy_rows, 0, n_queries);
+  if (!values && score_rows == 0 && entropy_rows == 0) {
+    throw std::invalid_argument("attention_quantized: nothing to compute (no values, no score_rows, no entropy_rows)");
+  }
+  std::vector<mx::array> inputs = {float32(queries, s), float32(keys, s)};
+  if (values) inputs.push_back(float32(*values, s));
+  if (mask) {
+    if (mask->ndim() > 4) throw std::invalid_argument("attention_quantized: a mask has at most 4 axes");
+    mx::Shape shape(4 - mask->ndim(), 1);
+    shape.insert(shape.end(), mask->shape().begin(), mask->shape().end());
+    auto m = mx::reshape(*mask, shape, s);
+    m = mask->dtype() == mx::bool_ ? m : float32(m, s);
+    inputs.push_back(mx::broadcast_to(m, {batch, q_heads, n_queries, n_keys}, s));
+  }
+  inputs.push_back(key_codes);
+  inputs.push_back(float32(key_scales, s));
+  inputs.push_back(float32(key_zeros, s));
+  inputs.push_back(mx::astype(key_groups, mx::int32, s));
+  if (values) {
+    inputs.push_back(*value_codes);
+    inputs.push_back(float32(*value_scales, s));
+    inputs.push_back(float32(*value_zeros, s));
+  }
+  Settings settings{scale, causal, values.has_value(), mask.has_value(), score_rows, entropy_rows, 0, bits,
+                    values ? value_group : 0};
+  auto primitive = std::make_shared<Attention>(s, settings);
+  auto shapes = primitive->shapes(queries, keys, count);
+  auto arrays = mx::array::make_arrays(shapes, std::vector<mx::Dtype>(shapes.size(), mx::float32), primitive, inputs);
+  std::tuple<std::optional<mx::array>, std::optional<mx::array>, std::optional<mx::array>> result;
+  size_t next = 0;
+  if (values) std::get<0>(result) = arrays[next++];
+  if (score_rows > 0) std::get<1>(result) = arrays[next++];
+  if (entropy_rows > 0) std::get<2>(result) = arrays[next++];
+  return result;
+}
+
 }  // namespace
 
 void register_attention(nb::module_& m) {
@@ -396,6 +530,18 @@ void register_attention(nb::module_& m) {
         "aligned; mask is None or an additive float / boolean array broadcastable to [B, H*R, S, N].\n"
         "key_heads [N] (int32) with n_heads: pooled per-head slots, keys/values [B, 1, N, D] whose key j\n"
         "belongs to KV head key_heads[j] < n_heads; query head q sees only KV head q // (H*R / n_heads)'s keys.");
+  m.def("attention_quantized", &attention_quantized, nb::arg("queries"), nb::arg("keys"), nb::arg("values").none(),
+        nb::arg("key_codes"), nb::arg("key_scales"), nb::arg("key_zeros"), nb::arg("key_groups"),
+        nb::arg("value_codes").none(), nb::arg("value_scales").none(), nb::arg("value_zeros").none(),
+        nb::arg("mask").none(), nb::kw_only(), nb::arg("scale"), nb::arg("causal") = false,
+        nb::arg("score_rows") = 0, nb::arg("entropy_rows") = 0, nb::arg("bits"), nb::arg("value_group") = 0,
+        "attention() over quantized keys and values followed by float ones (velox_cache/kernels/kv_codes.py):\n"
+        "per (batch, head) the first `count` keys are key_codes [B, H, count, D * bits / 8] (uint8; 4 bits: two a\n"
+        "byte, the even feature low) times key_scales plus key_zeros [B, H, groups, D] of each key's group\n"
+        "key_groups [B, H, count] (int32), the values likewise with value_scales / value_zeros [B, H, count,\n"
+        "D / value_group]; then the float keys / values [B, H, N, D]. Each key block is dequantized into the\n"
+        "tiles' workspace as it is read: no float copy of the cache is made. Returns what attention() returns,\n"
+        "the key mass over count + N keys.");
 }
 
 }  // namespace velox

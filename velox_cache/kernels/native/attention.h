@@ -7,11 +7,34 @@
 
 namespace velox {
 
+// Quantized keys and values (the layout of velox_cache/kernels/kv_codes.py): keys per feature over groups of
+// tokens, values per token over groups of features, each x = code * scale + zero. The first `count` keys and
+// values of a (batch, head) come from these codes; the ones after them from the problem's float `keys` and
+// `values` (the full-precision window), key j >= count being float row j - count. Strides in elements, per axis;
+// each array's last axis is contiguous.
+struct QuantizedKeysValues {
+  int bits = 0;                    // 8, or 4 (two codes a byte, the even feature in the low nibble); 0: none
+  int64_t count = 0;               // quantized keys (and values) per (batch, head), before the float ones
+  const uint8_t* key_codes = nullptr;  // [B, H, count, D * bits / 8]
+  int64_t key_code_strides[3] = {};
+  const float* key_scales = nullptr;  // [B, H, groups, D]: one scale per (token group, feature)
+  const float* key_zeros = nullptr;   // likewise
+  int64_t key_scale_strides[3] = {};  // (the zeros' strides are the scales')
+  const int32_t* key_groups = nullptr;  // [B, H, count]: each key's group
+  int64_t key_group_strides[2] = {};
+  const uint8_t* value_codes = nullptr;  // [B, H, count, D * bits / 8], or null without values
+  int64_t value_code_strides[3] = {};
+  const float* value_scales = nullptr;  // [B, H, count, D / value_group]: one per (token, group of features)
+  const float* value_zeros = nullptr;
+  int64_t value_scale_strides[3] = {};
+  int64_t value_group = 0;  // features per value scale
+};
+
 // One attention call. Strides are in elements, per axis; 0 on a broadcast axis.
 struct AttentionProblem {
   const float* queries;  // [B, H*R, S, D]
   int64_t query_strides[4];
-  const float* keys;  // [B, H, N, D], feature axis contiguous (key_strides[3] == 1)
+  const float* keys;  // [B, H, N, D], feature axis contiguous (key_strides[3] == 1); quantized: only the last N - count
   int64_t key_strides[4];
   const float* values;  // [B, H, N, D] likewise, or null: scores only
   int64_t value_strides[4];
@@ -28,6 +51,7 @@ struct AttentionProblem {
   int64_t score_from;    // first query whose attention feeds the key mass (n_queries: none)
   int64_t entropy_from;  // first query whose row entropy is summed (n_queries: none)
   float* output;         // [B, H*R, S, D] row-major, or null without values
+  QuantizedKeysValues quantized;  // bits 0: every key and value is a float row of keys / values
 };
 
 // The queries [first_query, last_query) of one (batch, KV head), with all their group's heads.

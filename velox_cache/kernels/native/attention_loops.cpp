@@ -210,6 +210,7 @@ struct Workspace {
   std::vector<int64_t> mask_row;
   std::vector<int64_t> key_index;           // pooled slots: the task's head's keys, in slot order
   std::vector<float> own_keys, own_values;  // ... gathered contiguous for the many-rows tiles
+  std::vector<float> key_block, value_block;  // quantized: one key block's keys / values, dequantized
 };
 
 // A vector of rows [m0, m0 + NV * LANES) at a time, as two or one vectors.
@@ -235,6 +236,28 @@ class Task {
       values = p.values + t.batch * p.value_strides[0] + key_head * p.value_strides[1];
       value_stride = p.value_strides[2];
     }
+    if (p.quantized.bits != 0) {
+      const QuantizedKeysValues& q = p.quantized;
+      quantized = q.count;
+      code_bytes = D * q.bits / 8;
+      key_codes = q.key_codes + t.batch * q.key_code_strides[0] + t.head * q.key_code_strides[1];
+      key_code_stride = q.key_code_strides[2];
+      const int64_t scales_at = t.batch * q.key_scale_strides[0] + t.head * q.key_scale_strides[1];
+      key_scales = q.key_scales + scales_at;
+      key_zeros = q.key_zeros + scales_at;
+      key_scale_stride = q.key_scale_strides[2];
+      key_groups = q.key_groups + t.batch * q.key_group_strides[0] + t.head * q.key_group_strides[1];
+      if (q.value_codes != nullptr) {
+        value_codes = q.value_codes + t.batch * q.value_code_strides[0] + t.head * q.value_code_strides[1];
+        value_code_stride = q.value_code_strides[2];
+        const int64_t at = t.batch * q.value_scale_strides[0] + t.head * q.value_scale_strides[1];
+        value_scales = q.value_scales + at;
+        value_zeros = q.value_zeros + at;
+        value_scale_stride = q.value_scale_strides[2];
+      }
+      w.key_block.resize(KEY_BLOCK * D);
+      w.value_block.resize(KEY_BLOCK * D);
+    }
     if (p.key_heads != nullptr) {  // this head's slots only (never causal: decode steps and masked calls)
       w.key_index.clear();
       for (int64_t j = 0; j < N; ++j)
@@ -256,9 +279,13 @@ class Task {
     if (p_.values != nullptr) std::fill(w_.ot.begin(), w_.ot.end(), 0.0f);
     for (int64_t k0 = 0; k0 < key_end; k0 += KEY_BLOCK) {
       const int64_t n_block = std::min<int64_t>(KEY_BLOCK, key_end - k0);
+      load_keys(k0, n_block);
       block_scores(k0, n_block, first_row);
       online_softmax(k0, n_block, first_row);
-      if (p_.values != nullptr) block_values(k0, n_block);
+      if (p_.values != nullptr) {
+        load_values(k0, n_block);
+        block_values(k0, n_block);
+      }
     }
     if (p_.output != nullptr) write_output();
     if (scored_row < M) score(scored_row / LANES * LANES, sums);
@@ -275,14 +302,101 @@ class Task {
   int64_t key_stride = 0, value_stride = 0;
   const int64_t* index = nullptr;      // pooled slots: the task's j-th key is slot index[j] (mask, key mass)
   const int64_t* row_index = nullptr;  // ... and row row_index[j] of keys/values (null once gathered)
+  // Quantized keys and values (p_.quantized): the first `quantized` keys come from codes, a key block at a time
+  // dequantized into the workspace (or, past them, read in place from the float window, key j at row j - quantized).
+  int64_t quantized = -1;  // -1: every key is a float row
+  int64_t code_bytes = 0;
+  const uint8_t* key_codes = nullptr;
+  const uint8_t* value_codes = nullptr;
+  const float *key_scales = nullptr, *key_zeros = nullptr, *value_scales = nullptr, *value_zeros = nullptr;
+  const int32_t* key_groups = nullptr;
+  int64_t key_code_stride = 0, key_scale_stride = 0, value_code_stride = 0, value_scale_stride = 0;
+  // The key (value) block in force: key j at key_block + (j - key_block_first) * key_block_stride (null: none)
+  const float* key_block = nullptr;
+  const float* value_block = nullptr;
+  int64_t key_block_first = 0, key_block_stride = 0, value_block_first = 0, value_block_stride = 0;
 
   int64_t query_of(int64_t row) const { return t_.first_query + row / R; }
   // 1 / a row's sum of weights, 0 for a row that sees no key (sum 0: it outputs 0, adds no mass), NaN for a NaN row.
   static float weight_of(float row_sum) { return row_sum == 0.0f ? 0.0f : 1.0f / row_sum; }
   int64_t key_at(int64_t j) const { return index != nullptr ? index[j] : j; }
-  const float* key_row(int64_t j) const { return keys + (row_index != nullptr ? row_index[j] : j) * key_stride; }
+  const float* key_row(int64_t j) const {
+    if (key_block != nullptr) return key_block + (j - key_block_first) * key_block_stride;
+    return keys + (row_index != nullptr ? row_index[j] : j) * key_stride;
+  }
   const float* value_row(int64_t j) const {
+    if (value_block != nullptr) return value_block + (j - value_block_first) * value_block_stride;
     return values + (row_index != nullptr ? row_index[j] : j) * value_stride;
+  }
+  int64_t key_row_stride() const { return key_block != nullptr ? key_block_stride : key_stride; }
+  int64_t value_row_stride() const { return value_block != nullptr ? value_block_stride : value_stride; }
+
+  // The keys [k0, k0 + n) made readable by key_row: quantized ones dequantized into the workspace, float ones
+  // read in place (a block past the quantized keys) or copied after them. Nothing to do without quantized keys.
+  void load_keys(int64_t k0, int64_t n) {
+    if (quantized < 0) return;
+    load_block(k0, n, keys, key_stride, w_.key_block.data(), key_block, key_block_first, key_block_stride,
+               [&](int64_t j, float* out) { dequantize_key(j, out); });
+  }
+  void load_values(int64_t k0, int64_t n) {
+    if (quantized < 0) return;
+    load_block(k0, n, values, value_stride, w_.value_block.data(), value_block, value_block_first,
+               value_block_stride, [&](int64_t j, float* out) { dequantize_value(j, out); });
+  }
+  template <typename Dequantize>
+  void load_block(int64_t k0, int64_t n, const float* floats, int64_t float_stride, float* scratch,
+                  const float*& block, int64_t& first, int64_t& stride, Dequantize dequantize) {
+    first = k0;
+    if (k0 >= quantized) {
+      block = floats + (k0 - quantized) * float_stride;
+      stride = float_stride;
+      return;
+    }
+    for (int64_t j = k0; j < k0 + n; ++j) {
+      if (j < quantized) {
+        dequantize(j, scratch + (j - k0) * D);
+      } else {
+        std::memcpy(scratch + (j - k0) * D, floats + (j - quantized) * float_stride, D * sizeof(float));
+      }
+    }
+    block = scratch;
+    stride = D;
+  }
+  // Key j (< quantized): code * scale + zero per feature, the scales of the key's token group.
+  void dequantize_key(int64_t j, float* out) const {
+    const uint8_t* code = key_codes + j * key_code_stride;
+    const int64_t group = key_groups[j];
+    const float* scale = key_scales + group * key_scale_stride;
+    const float* zero = key_zeros + group * key_scale_stride;
+    if (code_bytes == D) {
+      for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(code[d]) * scale[d] + zero[d];
+    } else {
+      for (int64_t i = 0; i < D / 2; ++i) {
+        out[2 * i] = static_cast<float>(code[i] & 15) * scale[2 * i] + zero[2 * i];
+        out[2 * i + 1] = static_cast<float>(code[i] >> 4) * scale[2 * i + 1] + zero[2 * i + 1];
+      }
+    }
+  }
+  // Value j (< quantized): code * scale + zero, one scale per group of value_group features of the token.
+  void dequantize_value(int64_t j, float* out) const {
+    const uint8_t* code = value_codes + j * value_code_stride;
+    const float* scale = value_scales + j * value_scale_stride;
+    const float* zero = value_zeros + j * value_scale_stride;
+    const int64_t group = p_.quantized.value_group;
+    for (int64_t g = 0; g < D / group; ++g) {
+      const float s = scale[g], z = zero[g];
+      float* to = out + g * group;
+      if (code_bytes == D) {
+        const uint8_t* c = code + g * group;
+        for (int64_t d = 0; d < group; ++d) to[d] = static_cast<float>(c[d]) * s + z;
+      } else {
+        const uint8_t* c = code + g * group / 2;
+        for (int64_t i = 0; i < group / 2; ++i) {
+          to[2 * i] = static_cast<float>(c[i] & 15) * s + z;
+          to[2 * i + 1] = static_cast<float>(c[i] >> 4) * s + z;
+        }
+      }
+    }
   }
 
   // The task's head's slots copied together, so the many-rows tiles read keys and values in place.
@@ -330,7 +444,7 @@ class Task {
       constexpr int NV = decltype(nv)::value;
       for (int64_t j0 = 0; j0 < n_block; j0 += TILE) {
         const int count = static_cast<int>(std::min<int64_t>(TILE, n_block - j0));
-        scores_tiles<NV>(count, keys + (k0 + j0) * key_stride, key_stride, w_.qt.data() + m0, mp, D,
+        scores_tiles<NV>(count, key_row(k0 + j0), key_row_stride(), w_.qt.data() + m0, mp, D,
                          st + j0 * mp + m0);
       }
     });
@@ -388,12 +502,13 @@ class Task {
   }
 
   void block_values(int64_t k0, int64_t n_block) {
-    const float* value_block = values + k0 * value_stride;
+    const float* block = value_row(k0);
+    const int64_t stride = value_row_stride();
     for_panels(0, mp, [&](int64_t m0, auto nv) {
       constexpr int NV = decltype(nv)::value;
       for (int64_t f0 = 0; f0 < D; f0 += TILE) {
         const int count = static_cast<int>(std::min<int64_t>(TILE, D - f0));
-        values_tiles<NV>(count, value_block + f0, value_stride, n_block, w_.st.data() + m0, mp,
+        values_tiles<NV>(count, block + f0, stride, n_block, w_.st.data() + m0, mp,
                          w_.alpha.data() + m0, w_.ot.data() + f0 * mp + m0);
       }
     });
@@ -427,6 +542,7 @@ class Task {
     float* st = w_.st.data();
     for (int64_t k0 = 0; k0 < key_end; k0 += KEY_BLOCK) {
       const int64_t n_block = std::min<int64_t>(KEY_BLOCK, key_end - k0);
+      load_keys(k0, n_block);
       block_scores(k0, n_block, first_row);
       for (int64_t m0 = first_row; m0 < mp; m0 += LANES) {
         const Floats row_max = load(w_.row_max.data() + m0);
@@ -487,6 +603,7 @@ class Task {
     }
     for (int64_t k0 = 0; k0 < key_end; k0 += KEY_BLOCK) {
       const int64_t n_block = std::min<int64_t>(KEY_BLOCK, key_end - k0);
+      load_keys(k0, n_block);
       few_scores<ROWS>(k0, n_block, dp, position, mask_row);
       const int64_t padded = (n_block + LANES - 1) / LANES * LANES;  // scores past n_block stay -inf
       for (int m = 0; m < ROWS; ++m) {
@@ -508,7 +625,10 @@ class Task {
         row_sum[m] = row_sum[m] * alpha[m] + lane_sum(sum);
         row_max[m] = new_max;
       }
-      if (p_.values != nullptr) few_values<ROWS>(k0, n_block, dp, alpha);
+      if (p_.values != nullptr) {
+        load_values(k0, n_block);
+        few_values<ROWS>(k0, n_block, dp, alpha);
+      }
     }
     if (p_.output != nullptr) {
       const int64_t heads = p_.task_heads * R;
@@ -644,6 +764,7 @@ class Task {
     for (int64_t k0 = 0; k0 < key_end; k0 += KEY_BLOCK) {
       const int64_t n_block = std::min<int64_t>(KEY_BLOCK, key_end - k0);
       const int64_t padded = (n_block + LANES - 1) / LANES * LANES;
+      load_keys(k0, n_block);
       few_scores<ROWS>(k0, n_block, dp, position, mask_row);
       for (int m = 0; m < ROWS; ++m) {
         const float shift = row_max[m] == NEG_INF ? 0.0f : row_max[m];
