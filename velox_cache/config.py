@@ -16,7 +16,8 @@ EVICTIONS = ("continuous", "prefill_end", "streaming")
 SELECTIONS = ("cumulative", "window", "reconstruction")
 KV_DTYPES = ("float16", "bfloat16", "float32")
 KV_BITS = (8, 4)
-QUANTIZED_METHODS = ("full",)  # the methods whose caches hold quantized tokens (kv_bits) so far
+FULL_KV_GROUP = 64  # kv_group_size left open: tokens per key group of the full cache (~29% of float32 at 8 bits)
+EVICTING_KV_GROUP = 32  # ... and of an evicting cache (its window, a group still filling, is never evicted)
 HEAD_BUDGETS = ("uniform", "adaptive")
 
 # Each method's timing and prefill-end ranking when a config leaves them open: its policy class's
@@ -128,16 +129,24 @@ class KVCacheConfig:
         resolved_budget: this layer's budget when set (``for_model`` fills it in
             for pyramidkv; an explicit override otherwise).
         kv_dtype: dtype of the stored keys/values (default: the model's).
-        kv_bits: ``8`` or ``4``: held keys and values are quantized (KIVI: keys
-            per channel over groups of ``kv_group_size`` tokens, values per
-            token over groups of ``kv_group_size`` features), the newest
-            ``kv_window`` tokens and an unfinished group in full precision.
-            ``None``: held in float. The full cache takes it so far
-            (``velox_cache.policies.full.QuantizedFullKVCache``); its attention
-            must be routed through Velox.
-        kv_group_size: tokens per key scale (and features per value scale, at
-            most the head dim, which it must divide).
-        kv_window: the newest tokens kept in full precision under ``kv_bits``.
+        kv_bits: ``8`` or ``4``: once decoding starts, held keys and values
+            are quantized (KIVI: keys per channel over groups of
+            ``kv_group_size`` tokens, values per token over groups of
+            ``kv_group_size`` features); the prompt is read in float, so
+            prefill and the eviction at its end are unchanged. The full cache
+            keeps its newest ``kv_window`` tokens and an unfinished group in
+            float (``velox_cache.policies.full.QuantizedFullKVCache``); an
+            evicting cache keeps its unfinished group in float, never evicts
+            from it, and leaves each evicted token's codes as a hole the next
+            whole group fills (``velox_cache.cache.quantized_slots``).
+            ``None``: held in float. Needs the model's attention routed
+            through Velox; decodes alone, not in batches, so far.
+        kv_group_size: tokens per key scale and features per value scale
+            (a value group wider than the head dim is the head dim; one that
+            does not divide it becomes it). ``None``: 64 for the full cache,
+            32 for an evicting one; an evicting layer's group is at most a
+            quarter of its budget.
+        kv_window: the newest tokens the full cache keeps in float under ``kv_bits``.
         scoring: ``observed`` (real attention, needs ``velox_cache.observe``) or
             ``key_proxy`` (each key stands in for its query). ``None`` picks
             observed while the model is observed, key proxy otherwise.
@@ -229,7 +238,7 @@ class KVCacheConfig:
     resolved_budget: Optional[int] = None
     kv_dtype: Optional[str] = None
     kv_bits: Optional[int] = None
-    kv_group_size: int = 64
+    kv_group_size: Optional[int] = None
     kv_window: int = 64
     scoring: Optional[str] = None
     eviction: Optional[str] = None
@@ -257,11 +266,9 @@ class KVCacheConfig:
         _check_choice("kv_dtype", self.kv_dtype, KV_DTYPES, optional=True)
         if self.kv_bits is not None and (isinstance(self.kv_bits, bool) or self.kv_bits not in KV_BITS):
             raise ConfigError(f"kv_bits: {self.kv_bits!r} is not one of {', '.join(map(str, KV_BITS))} (or null: float)")
-        if self.kv_bits is not None and self.method not in QUANTIZED_METHODS:
-            raise ConfigError(
-                f"kv_bits: method {self.method!r} cannot hold quantized tokens yet; only {', '.join(QUANTIZED_METHODS)} can"
-            )
-        _check_int("kv_group_size", self.kv_group_size, 2)
+        if self.kv_bits is not None and self.head_budgets == "adaptive":
+            raise ConfigError("kv_bits: per-head budgets (head_budgets 'adaptive') cannot hold quantized tokens yet")
+        _check_int("kv_group_size", self.kv_group_size, 2, optional=True)
         _check_int("kv_window", self.kv_window, 0)
         _check_choice("scoring", self.scoring, SCORINGS, optional=True)
         _check_choice("eviction", self.eviction, EVICTIONS, optional=True)
@@ -324,6 +331,13 @@ class KVCacheConfig:
             self.stream_lookahead = self.lookahead if streams and self.lookahead is not None else STREAM_LOOKAHEAD
         if self.lookahead is None:
             self.lookahead = PREFILL_END_LOOKAHEAD if eviction != "continuous" and selection == "window" else 0
+
+    @property
+    def kv_group(self) -> int:
+        """``kv_group_size``, or its default for this method (``FULL_KV_GROUP``, ``EVICTING_KV_GROUP``)."""
+        if self.kv_group_size is not None:
+            return self.kv_group_size
+        return FULL_KV_GROUP if self.method == "full" else EVICTING_KV_GROUP
 
     @property
     def budget_fraction(self) -> Optional[float]:

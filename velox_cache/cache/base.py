@@ -43,6 +43,7 @@ from .phases import LOOK_AHEAD, PROBE, LayerPhase, Phase, ProbeMark
 from .scoring import LayerScoring
 from .selection import WindowSelector, blend_with_mass
 from .signals import CumulativeMass
+from .quantized_slots import QuantizedTokenSlots
 from .slots import TokenSlots
 from .timing import make_timing
 
@@ -79,7 +80,11 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
         self.head_budgets = choices.head_budgets
         self.lookahead = choices.lookahead  # tokens drafted when the prompt ends (the timing's own)
         self.allocation = self.allocator(config, layer_id, coordinator)
-        self.slots = TokenSlots(self.signal, config.n_sink, config.recent_window)
+        if config.kv_bits:
+            self.slots = QuantizedTokenSlots(self.signal, config.n_sink, config.recent_window, config.kv_bits,
+                                             config.kv_group)
+        else:
+            self.slots = TokenSlots(self.signal, config.n_sink, config.recent_window)
         self.timing = make_timing(self.eviction, self.prefill_selection)
         self.selector = WindowSelector(config.window, choices.kernel)
         if self.lookahead and not self.timing.ranks_by_window:
@@ -139,6 +144,8 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
         slots, progress = self.slots, self.progress
         if slots.empty or progress.prefilling or progress.in_probe:
             return "a cache still in prefill (or in a probe) cannot decode in a batch"
+        if getattr(slots, "quantized", False):
+            return "a cache holding quantized tokens (kv_bits) decodes alone"
         if self.awaiting_observation:
             return "the cache's last call is still waiting for its attention"
         if not self._evicting_now():
@@ -340,6 +347,21 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
         doc="Tokens passed to ``update_and_fetch`` per head (probes excepted; not reset by compaction).",
     )
 
+    kv_bits = property(lambda self: self.config.kv_bits, doc="Bits per held key and value code once decoding (None: float).")
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the keys and values of the tokens held (codes, scales and window under ``kv_bits``)."""
+        if getattr(self.slots, "quantized", False):
+            return self.slots.kept_bytes
+        return super().kept_bytes
+
+    @property
+    def nbytes(self) -> int:
+        if getattr(self.slots, "quantized", False):
+            return self.slots.nbytes
+        return super().nbytes
+
     # ----- mechanics ----------------------------------------------------------------------
 
     def _evicting_now(self) -> bool:
@@ -412,3 +434,5 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
             self._select_by_window()
         self.selector.clear()
         self._evict_to(self.allocation.budget())
+        if self.config.kv_bits:
+            self.slots.quantize(self.allocation.budget())

@@ -41,7 +41,7 @@ class TokensMark:
 class QuantizedTokens:
     """Keys and values of one layer at ``bits`` (8 or 4): quantized groups of ``group`` tokens, then a float window.
 
-    ``group`` is also the number of features per value scale (at most the head dim, which it must divide).
+    ``group`` is also the number of features per value scale (the head dim where it is wider or does not divide it).
     """
 
     def __init__(self, bits: int, group: int, window: int):
@@ -190,11 +190,10 @@ class QuantizedTokens:
     def _start(self, keys: mx.array, values: mx.array) -> None:
         dim = keys.shape[-1]
         self.value_group = min(self.group, values.shape[-1])
-        if values.shape[-1] % self.value_group or (self.bits == 4 and (dim % 2 or self.value_group % 2)):
-            raise ValueError(
-                f"kv_group_size: {self.group} features per value scale must divide the head dim {values.shape[-1]}"
-                + (" and be even at 4 bits" if self.bits == 4 else "")
-            )
+        if values.shape[-1] % self.value_group:
+            self.value_group = values.shape[-1]  # one scale per token
+        if self.bits == 4 and dim % 2:
+            raise ValueError(f"kv_bits: 4 bits pack two features a byte; the head dim {dim} is odd")
         batch, heads = keys.shape[:2]
         self.tail_keys = mx.zeros((batch, heads, 0, dim), keys.dtype)
         self.tail_values = mx.zeros((batch, heads, 0, values.shape[-1]), values.dtype)

@@ -18,7 +18,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..kernels.attend import AttentionResult, attend_and_score
+from ..kernels.attend import AttentionResult, attend_and_score, attend_quantized
+from ..kernels.kv_codes import QuantizedKV
 from .slots import TokenSlots
 
 
@@ -32,13 +33,24 @@ def fold_heads(mass: mx.array, heads: int) -> mx.array:
 def key_proxy_attention(
     new_keys: mx.array, held_keys: mx.array, *, scale: Optional[float], score_rows: int, entropy_rows: int
 ) -> Optional[AttentionResult]:
-    """The attention of a call's last new keys, standing in for their queries, on ``held_keys``.
+    """The attention of a call's last new keys, standing in for their queries, on ``held_keys``
+    (float keys, or a quantized layer's ``QuantizedKV``).
 
     ``scale`` defaults to ``D ** -0.5``; returns None when neither scores nor entropy are asked for.
     """
     rows = max(score_rows, entropy_rows)
     if not rows:
         return None
+    if isinstance(held_keys, QuantizedKV):  # a quantized layer decoding: its codes read in place
+        return attend_quantized(
+            new_keys[:, :, -rows:],
+            held_keys,
+            scale=scale if scale is not None else new_keys.shape[-1] ** -0.5,
+            mask="causal" if rows > 1 else None,
+            score_rows=score_rows,
+            entropy_rows=entropy_rows,
+            values=False,
+        )
     return attend_and_score(
         new_keys[:, :, -rows:],
         held_keys,

@@ -29,6 +29,7 @@ from typing import Optional
 import mlx.core as mx
 
 from . import attention, kernel, masks
+from .fused import fused_attention_quantized
 from .attention import Mask
 
 ENVIRONMENT_VARIABLE = "VELOX_ATTENTION"
@@ -172,8 +173,11 @@ def attend_quantized(
     sinks: Optional[mx.array] = None,
     score_rows: int = 0,
     entropy_rows: int = 0,
+    values: bool = True,
 ) -> AttentionResult:
     """``attend_and_score`` over quantized keys and values (``held``: a ``kv_codes.QuantizedKV``).
+
+    ``values=False`` computes only the scores (``attend_and_score`` with ``values=None``).
 
     On Velox's kernel with the native ops built, the fused primitive reads the
     codes and dequantizes one key block at a time inside its tiles: no float
@@ -186,22 +190,22 @@ def attend_quantized(
     batch, n_q_heads, n_queries, _ = queries.shape
     if held.quantized == 0:
         return attend_and_score(
-            queries, held.keys, held.values, scale=scale, mask=mask, sinks=sinks,
+            queries, held.keys, held.values if values else None, scale=scale, mask=mask, sinks=sinks,
             score_rows=score_rows, entropy_rows=entropy_rows,
         )
+    if not values and not score_rows and not entropy_rows:
+        return AttentionResult(None)
     score_rows, entropy_rows = min(score_rows, n_queries), min(entropy_rows, n_queries)
     if uses_kernel() and kernel_supports(queries, held, held, mask, sinks):  # it reads shapes only
-        from .fused import fused_attention_quantized
-
         result = fused_attention_quantized(
-            queries, held, scale=scale, mask=mask, score_rows=score_rows, entropy_rows=entropy_rows
+            queries, held, scale=scale, mask=mask, score_rows=score_rows, entropy_rows=entropy_rows, values=values
         )
         if result is not None:
             return AttentionResult(*result, batch * n_q_heads * entropy_rows)
-    keys, values = held.dequantized()
+    keys, held_values = held.dequantized()
     return attend_and_score(
-        queries, keys.astype(queries.dtype), values.astype(queries.dtype), scale=scale, mask=mask, sinks=sinks,
-        score_rows=score_rows, entropy_rows=entropy_rows,
+        queries, keys.astype(queries.dtype), held_values.astype(queries.dtype) if values else None, scale=scale,
+        mask=mask, sinks=sinks, score_rows=score_rows, entropy_rows=entropy_rows,
     )
 
 

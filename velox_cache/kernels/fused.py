@@ -94,14 +94,22 @@ def fused_attention(
 
 
 def fused_attention_quantized(
-    queries: mx.array, held, *, scale: float, mask: Mask = None, score_rows: int = 0, entropy_rows: int = 0
+    queries: mx.array,
+    held,
+    *,
+    scale: float,
+    mask: Mask = None,
+    score_rows: int = 0,
+    entropy_rows: int = 0,
+    values: bool = True,
 ) -> Optional[tuple]:
     """``fused_attention`` over ``held`` (a ``velox_cache.kernels.kv_codes.QuantizedKV``: codes, then float
     tokens), each key block dequantized inside the tiles; None where the primitive is not built.
 
     The dequantized keys and values are ``code * scale + zero`` rounded once
     (a fused multiply-add), so the result is the attention of those float32
-    keys and values within ``native.ATTENTION_TOLERANCE``.
+    keys and values within ``native.ATTENTION_TOLERANCE``. ``values=False``:
+    the scores only (the output is None).
     """
     if not available() or not hasattr(native.ops(), "attention_quantized"):
         return None
@@ -109,16 +117,19 @@ def fused_attention_quantized(
         raise ValueError(f"mask: {mask!r} is not 'causal', None or an array")
     n_queries = queries.shape[2]
     score_rows, entropy_rows = min(score_rows, n_queries), min(entropy_rows, n_queries)
+    arguments = held.native_arguments()
+    if not values:
+        arguments.update(value_codes=None, value_scales=None, value_zeros=None)
     output, key_mass, entropy = native.ops().attention_quantized(
         queries,
         held.keys,
-        held.values,
+        held.values if values else None,
         mask=mask if isinstance(mask, mx.array) else None,
         scale=scale,
         causal=isinstance(mask, str),
         score_rows=score_rows,
         entropy_rows=entropy_rows,
-        **held.native_arguments(),
+        **arguments,
     )
     if output is not None and output.dtype != queries.dtype:
         output = output.astype(queries.dtype)

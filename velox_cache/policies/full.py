@@ -69,7 +69,7 @@ class QuantizedFullKVCache(FullKVCache):
         super().__init__(config, layer_id)
         if not self.config.kv_bits:
             raise ValueError("config: a QuantizedFullKVCache needs kv_bits (8 or 4)")
-        self.tokens = QuantizedTokens(self.config.kv_bits, self.config.kv_group_size, self.config.kv_window)
+        self.tokens = QuantizedTokens(self.config.kv_bits, self.config.kv_group, self.config.kv_window)
         self.decoding = False
         self._probe_marks: list = []  # (tokens mark, offset) of each probe running
 

@@ -39,8 +39,8 @@ def test_config_names_the_field_it_refuses():
         KVCacheConfig(method="full", kv_bits=3)
     with pytest.raises(ConfigError, match="kv_bits"):
         KVCacheConfig(method="full", kv_bits=True)
-    with pytest.raises(ConfigError, match="kv_bits: method 'pyramidkv'"):
-        KVCacheConfig(method="pyramidkv", kv_bits=8)
+    with pytest.raises(ConfigError, match="kv_bits: per-head budgets"):
+        KVCacheConfig(method="pyramidkv", kv_bits=8, head_budgets="adaptive")
     with pytest.raises(ConfigError, match="kv_group_size"):
         KVCacheConfig(method="full", kv_bits=8, kv_group_size=1)
     with pytest.raises(ConfigError, match="kv_window"):

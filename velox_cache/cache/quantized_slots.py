@@ -1,0 +1,309 @@
+"""``QuantizedTokenSlots``: an evicting layer's held tokens at ``kv_bits`` once decoding starts.
+
+Until ``quantize`` (called when prefill ends, after the prompt's eviction)
+this is ``TokenSlots`` exactly: prefill, selection, probes and a shared
+reading's cut see float keys, so a cut stack equals its own prefill's and is
+quantized the same way afterwards. ``quantize`` turns the held tokens, in slot
+order, into whole key groups of ``group`` tokens (keys per channel, values per
+token: ``velox_cache.kernels.kv_codes``); the rest (fewer than a group) stays
+in float, in the window.
+
+Slots are then the quantized region ``[0, quantized)`` followed by the window
+``[quantized, quantized + tail)``; ``scores``, ``positions`` and ``live``
+cover both in that order. A decode token joins the window. At budget it
+evicts the lowest-ranked held token exactly as ``TokenSlots`` ranks them
+(the window's tokens included), which leaves a *hole*: its codes (or float
+row) stay, ``live`` marks it dead, attention masks it and the ranking never
+picks it again. When the window's slots are all used they are quantized as
+one group and written into the quantized region's holes, each head its own
+(every head evicts one token per step, so a head's holes are as many as its
+window's tokens quantized so far, wherever they sit), the region growing
+where a head has fewer holes than a group (the other heads' extra slots
+dead). Kept tokens are never re-quantized: eviction moves nothing, a group's
+scales stay while any of its tokens is held.
+
+Uniform heads only; decodes alone (batched decoding refuses it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import mlx.core as mx
+
+from ..kernels import kv_codes
+from ..kernels.attend import AttentionResult, attend_quantized
+from ..kernels.kv_codes import QuantizedKV
+from .slots import TokenSlots, protect, recent_limit
+
+GROUP_STEP = 16  # key-scale buffer growth, in groups
+
+
+class QuantizedTokenSlots(TokenSlots):
+    """``TokenSlots`` that hold their tokens at ``bits`` once ``quantize`` is called (see the module doc)."""
+
+    def __init__(self, signal, n_sink: int, recent: int, bits: int, group: int):
+        super().__init__(signal, n_sink, recent)
+        kv_codes.levels(bits)
+        self.bits, self.group = bits, group
+        self.quantized_count: Optional[int] = None  # None: not quantized yet (float TokenSlots)
+        self.key_codes = self.key_groups = self.key_scales = self.key_zeros = None
+        self.value_codes = self.value_scales = self.value_zeros = None
+        self.live: Optional[mx.array] = None  # [B, H, quantized + window slots] bool: False for a hole
+        self.groups = 0
+        self.tail = 0  # window slots used (live or evicted)
+        self.value_group = 0
+
+    @property
+    def quantized(self) -> bool:
+        """True once the held tokens are quantized (decoding has started)."""
+        return self.quantized_count is not None
+
+    # ----- the switch ----------------------------------------------------------------------
+
+    def quantize(self, budget: int) -> None:
+        """Quantize the held tokens' whole groups (slot order); the rest becomes the float window.
+
+        The group is ``group`` tokens, at most a quarter of ``budget`` (at least 2),
+        so that a window never holds much of a small layer's budget.
+        """
+        if self.quantized or self.empty:
+            return
+        dim = self.values.shape[-1]
+        self.value_group = min(self.group, dim) if dim % min(self.group, dim) == 0 else dim
+        self.group = max(2, min(self.group, budget // 4))
+        keys, values = self.held()
+        n = self.stored // self.group * self.group
+        batch, heads = keys.shape[:2]
+        self.key_codes, self.key_scales, self.key_zeros = kv_codes.quantize_keys(keys[:, :, :n], self.group, self.bits)
+        self.value_codes, self.value_scales, self.value_zeros = kv_codes.quantize_values(
+            values[:, :, :n], self.value_group, self.bits
+        )
+        self.groups = n // self.group
+        self.key_groups = mx.broadcast_to(
+            mx.repeat(mx.arange(self.groups, dtype=mx.int32), self.group)[None, None], (batch, heads, n)
+        )
+        self.key_groups = mx.array(self.key_groups)
+        self.tail = self.stored - n
+        self.live = mx.concatenate(
+            [mx.ones((batch, heads, self.stored), mx.bool_), mx.zeros((batch, heads, self.group - self.tail), mx.bool_)],
+            axis=2,
+        )
+        self.keys = _window(keys[:, :, n:], self.group)
+        self.values = _window(values[:, :, n:], self.group)
+        scores, positions = self.held_scores(), self.held_positions()
+        self.scores = mx.concatenate([scores, mx.zeros((batch, heads, self.group - self.tail))], axis=2)
+        self.positions = mx.concatenate(
+            [positions, mx.zeros((batch, heads, self.group - self.tail), mx.int32)], axis=2
+        )
+        self.quantized_count = n
+        self.kept = self.stored  # tokens each head holds (every head evicts one per step at budget)
+
+    # ----- layout hooks --------------------------------------------------------------------
+
+    @property
+    def kept_per_head(self) -> int:
+        return self.kept if self.quantized else self.stored
+
+    def at_budget(self, budget: int) -> bool:
+        return self.kept_per_head == budget
+
+    @property
+    def capacity(self) -> int:
+        if not self.quantized:
+            return super().capacity
+        return self.quantized_count + self.keys.shape[2]
+
+    def held(self):
+        if not self.quantized:
+            return super().held()
+        q, groups = self.quantized_count, self.groups
+        view = QuantizedKV(
+            self.key_codes, self.key_scales[:, :, :groups], self.key_zeros[:, :, :groups], self.key_groups,
+            self.value_codes, self.value_scales, self.value_zeros, self.keys[:, :, : self.tail],
+            self.values[:, :, : self.tail], self.bits, self.value_group,
+        )
+        return view, view
+
+    def attend(self, queries: mx.array, keys, values, **options) -> AttentionResult:
+        if not isinstance(keys, QuantizedKV):
+            return super().attend(queries, keys, values, **options)
+        if self.kept < self.stored:
+            options["mask"] = self._live_mask(queries.shape[1], options.get("mask"))
+        return attend_quantized(queries, keys, **options)
+
+    def _live_mask(self, n_q_heads: int, mask) -> mx.array:
+        """``[B, H*R, 1, N]`` bool: every held slot but the holes (with ``mask``, a boolean one, both)."""
+        if mask is not None and not (isinstance(mask, mx.array) and mask.dtype == mx.bool_):
+            raise ValueError("a quantized layer with evicted slots takes no causal or additive mask")
+        heads = self.live.shape[1]
+        visible = mx.repeat(self.live[:, :, : self.stored], n_q_heads // heads, axis=1)[:, :, None]
+        return visible if mask is None else visible & mask
+
+    @property
+    def arrays(self) -> list:
+        if not self.quantized:
+            return super().arrays
+        names = ("key_codes", "key_groups", "key_scales", "key_zeros", "value_codes", "value_scales",
+                 "value_zeros", "live", "keys", "values", "scores", "positions")
+        return [getattr(self, name) for name in names]
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes held for the tokens: every quantized slot's codes, group number and value scales (holes
+        included: they stay until a group fills them), the groups' key scales, the window's used slots."""
+        if not self.quantized:
+            per_slot = (self.keys.nbytes + self.values.nbytes) // max(1, self.keys.shape[2])
+            return per_slot * self.stored
+        per_token = sum(_per_slot(a) for a in (self.key_codes, self.key_groups, self.value_codes,
+                                               self.value_scales, self.value_zeros))
+        per_group = _per_slot(self.key_scales) + _per_slot(self.key_zeros)
+        per_float = _per_slot(self.keys) + _per_slot(self.values)
+        return per_token * self.quantized_count + per_group * self.groups + per_float * self.tail
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every buffer held for keys and values (codes, scales, holes, the window's spare slots)."""
+        if not self.quantized:
+            return self.keys.nbytes + self.values.nbytes
+        return sum(a.nbytes for a in self.arrays[:-2])
+
+    # ----- eviction and decode tokens ----------------------------------------------------------
+
+    def protected_ranking(self, budget: int) -> mx.array:
+        if not self.quantized:
+            return super().protected_ranking(budget)
+        recent = int(recent_limit(self.recent, budget, self.n_sink))
+        ranking = protect(self.signal.ranking(self), self.held_positions(), n_sink=self.n_sink, recent=recent,
+                          offset=self.offset)
+        return mx.where(self.live[:, :, : self.stored], ranking, mx.inf)
+
+    def evict_to(self, budget: int) -> Optional[mx.array]:
+        if not self.quantized:
+            return super().evict_to(budget)
+        if self.kept_per_head > budget:
+            raise RuntimeError(f"a quantized layer holds {self.kept_per_head} tokens over its budget of {budget}")
+        return None
+
+    def replace_lowest(self, keys: mx.array, values: mx.array, budget: int) -> None:
+        if not self.quantized:
+            return super().replace_lowest(keys, values, budget)
+        victim = mx.argmin(self.protected_ranking(budget), axis=-1, keepdims=True)  # [B, H, 1]
+        self.live = mx.put_along_axis(self.live, victim, mx.array(False), axis=-1)
+        self.kept -= 1
+        self.append(keys, values, self.offset, 0)
+
+    def append(self, keys: mx.array, values: mx.array, first_position: int, spare: int) -> None:
+        if not self.quantized:
+            return super().append(keys, values, first_position, spare)
+        if keys.shape[2] != 1:
+            raise RuntimeError("a quantized layer takes one token at a time (decoding)")
+        slot = self.quantized_count + self.tail
+        self.keys[:, :, self.tail : self.tail + 1] = keys
+        self.values[:, :, self.tail : self.tail + 1] = values
+        self.scores[:, :, slot : slot + 1] = 0
+        self.positions[:, :, slot : slot + 1] = first_position
+        self.live[:, :, slot : slot + 1] = True
+        self.tail += 1
+        self.stored += 1
+        self.kept += 1
+        if self.tail == self.group:
+            self._flush()
+
+    def _flush(self) -> None:
+        """The window's group quantized and written into each head's first holes, then after the region."""
+        batch, heads = self.live.shape[:2]
+        key_codes, key_scales, key_zeros = kv_codes.quantize_keys(self.keys, self.group, self.bits)
+        value_codes, value_scales, value_zeros = kv_codes.quantize_values(self.values, self.value_group, self.bits)
+        q, g = self.quantized_count, self.group
+        self.key_scales = _written(self.key_scales, key_scales, self.groups)
+        self.key_zeros = _written(self.key_zeros, key_zeros, self.groups)
+        new = {
+            "key_codes": key_codes, "key_groups": mx.full((batch, heads, g), self.groups, mx.int32),
+            "value_codes": value_codes, "value_scales": value_scales, "value_zeros": value_zeros,
+            "scores": self.scores[:, :, q:], "positions": self.positions[:, :, q:], "live": self.live[:, :, q:],
+        }
+        self.groups += 1
+        region_live = self.live[:, :, :q]
+        holes = (~region_live).sum(axis=-1, keepdims=True).astype(mx.int32)  # [B, H, 1]
+        grow = max(0, g - int(holes.min().item()))  # a head with fewer holes than a group needs new slots
+        order = mx.where(region_live, q, 0) + mx.arange(q, dtype=mx.int32)  # holes first, in slot order
+        first_holes = mx.argsort(order, axis=-1)[..., :g].astype(mx.int32) if q else mx.zeros((batch, heads, 0), mx.int32)
+        if first_holes.shape[-1] < g:
+            first_holes = mx.concatenate([first_holes, mx.zeros((batch, heads, g - first_holes.shape[-1]), mx.int32)], axis=2)
+        j = mx.arange(g, dtype=mx.int32)
+        target = mx.where(j < holes, first_holes, q + j - holes)  # [B, H, g]: where window slot j goes
+        region = {
+            "key_codes": self.key_codes, "key_groups": self.key_groups, "value_codes": self.value_codes,
+            "value_scales": self.value_scales, "value_zeros": self.value_zeros, "scores": self.scores[:, :, :q],
+            "positions": self.positions[:, :, :q], "live": region_live,
+        }
+        for name, values in new.items():
+            array = region[name]
+            if grow:
+                array = mx.concatenate([array, mx.zeros((batch, heads, grow, *array.shape[3:]), array.dtype)], axis=2)
+            index = target if values.ndim == 3 else mx.broadcast_to(target[..., None], values.shape)
+            region[name] = mx.put_along_axis(array, index, values, axis=2)
+        self.key_codes, self.key_groups = region["key_codes"], region["key_groups"]
+        self.value_codes, self.value_scales, self.value_zeros = (
+            region["value_codes"], region["value_scales"], region["value_zeros"]
+        )
+        self.quantized_count = q + grow
+        self.stored = self.quantized_count
+        self.tail = 0
+        self.keys, self.values = mx.zeros_like(self.keys), mx.zeros_like(self.values)
+        self.scores = mx.concatenate([region["scores"], mx.zeros((batch, heads, g))], axis=2)
+        self.positions = mx.concatenate([region["positions"], mx.zeros((batch, heads, g), mx.int32)], axis=2)
+        self.live = mx.concatenate([region["live"], mx.zeros((batch, heads, g), mx.bool_)], axis=2)
+
+    # ----- what a quantized layer cannot do (it only decodes) -------------------------------------
+
+    def _refuse(self, what: str):
+        raise RuntimeError(f"{what}: a quantized layer only decodes (its tokens were quantized when prefill ended)")
+
+    def keep(self, indices):
+        if self.quantized:
+            self._refuse("keep")
+        super().keep(indices)
+
+    def replace(self, slot, keys, values, position):
+        if self.quantized:
+            self._refuse("replace")
+        super().replace(slot, keys, values, position)
+
+    def truncate(self, stored, capacity):
+        if self.quantized:
+            self._refuse("a probe")
+        super().truncate(stored, capacity)
+
+    def rerotate(self, shift, new_positions):
+        if self.quantized:
+            self._refuse("compact_positions")
+        super().rerotate(shift, new_positions)
+
+    def adopt(self, other):
+        if self.quantized or getattr(other, "quantized", False):
+            self._refuse("adopt")
+        super().adopt(other)
+
+
+def _window(tokens: mx.array, group: int) -> mx.array:
+    """A float window buffer of ``group`` slots holding ``tokens`` first (spare slots zero)."""
+    spare = group - tokens.shape[2]
+    return mx.concatenate([tokens, mx.zeros((*tokens.shape[:2], spare, tokens.shape[3]), tokens.dtype)], axis=2)
+
+
+def _per_slot(array: mx.array) -> int:
+    """Bytes of one slot of ``array``'s axis 2 (its token or group axis)."""
+    return array.itemsize * math.prod(size for axis, size in enumerate(array.shape) if axis != 2)
+
+
+def _written(buffer: mx.array, new: mx.array, start: int) -> mx.array:
+    """``buffer`` with ``new`` at ``start`` along axis 2, grown by ``GROUP_STEP`` slots when it has no room."""
+    stop = start + new.shape[2]
+    if stop <= buffer.shape[2]:
+        buffer[:, :, start:stop] = new
+        return buffer
+    spare = mx.zeros((*buffer.shape[:2], GROUP_STEP, *buffer.shape[3:]), buffer.dtype)
+    return _written(mx.concatenate([buffer[:, :, :start], spare], axis=2), new, start)
