@@ -56,6 +56,7 @@ def document_row(
         "budget": stored_budget(config, prepared),
         "scoring": None if config.method == "full" else config.scoring,
         "eviction": None if config.method == "full" else config.eviction,
+        "kv_bits": config.kv_bits,
         "run_id": run_id,
         "status": status,
     }

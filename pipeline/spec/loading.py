@@ -101,6 +101,11 @@ def _variants(raw: dict, where: str) -> list[Variant]:
             config = KVCacheConfig.from_dict(item, where=item_where)
         except ConfigError as exc:
             raise SpecError(str(exc)) from None
+        if config.method == "full" and config.kv_bits:
+            raise SpecError(
+                f"{item_where}.kv_bits: the full variant is the job's reference (every other variant is compared to "
+                "its float output); quantize a compressed variant, or run a full cache at kv_bits in the library"
+            )
         if config.method != "full" and config.scoring is None:
             config = dataclasses.replace(config, scoring="observed")
         name = str(name) if name is not None else (

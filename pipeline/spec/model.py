@@ -225,9 +225,17 @@ def _hash(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+QUANTIZATION_FIELDS = ("kv_bits", "kv_group_size", "kv_window")  # hashed only where kv_bits is set
+
+
 def variant_hash(variant: Variant) -> str:
+    """The variant's identity in the store: its name and every cache field (the quantization fields only where
+    ``kv_bits`` is set, so a float variant keeps the hash it had before they existed)."""
     auto = {"auto_eviction": True} if variant.auto_eviction else {}
-    return _hash({"name": variant.name, **dataclasses.asdict(variant.cache), **auto})
+    cache = dataclasses.asdict(variant.cache)
+    if cache.get("kv_bits") is None:
+        cache = {k: v for k, v in cache.items() if k not in QUANTIZATION_FIELDS}
+    return _hash({"name": variant.name, **cache, **auto})
 
 
 def input_files(spec: JobSpec) -> list[Path]:

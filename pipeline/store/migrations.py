@@ -468,6 +468,13 @@ def m013_figures_that_mean_one_thing(db: sqlite_utils.Database) -> None:
         replace=True,
     )
 
+
+@migration
+def m014_kv_bits(db: sqlite_utils.Database) -> None:
+    """The bits each held key and value code took once decoding started (``kv_bits``; null: held in float)."""
+    db["documents"].add_column("kv_bits", int)
+
+
 def migrate(db: sqlite_utils.Database, *, transaction: Optional[Callable] = None) -> list[str]:
     """Apply the migrations not yet recorded, each in one transaction; returns the names applied.
 

@@ -52,7 +52,8 @@ def test_a_done_row_is_built_from_the_plan_and_the_result():
     assert row == {
         "doc_key": "key-half", "document_id": "doc", "content_hash": "contenthash", "prompt_hash": "prompthash",
         "settings_hash": "settingshash", "variant": "half", "method": "pyramidkv", "budget": 20,
-        "scoring": "observed", "eviction": None, "run_id": 7, "status": "done", "output": "out", "prompt_tokens": 40, "truncated": 1,
+        "scoring": "observed", "eviction": None, "kv_bits": None, "run_id": 7, "status": "done", "output": "out",
+        "prompt_tokens": 40, "truncated": 1,
         "output_tokens": 2, "prefill_seconds": 2.0, "reading_seconds": None, "draft_seconds": None, "decode_seconds": 0.5,
         "decode_batch_size": 1,
         "prefill_tokens_per_second": 20.0,
@@ -69,7 +70,7 @@ def test_a_row_without_a_result_says_why():
     assert document_row(plan, plan.variants[0], 7, status="skipped", error="too long") == {
         "doc_key": "key-full", "document_id": "doc", "content_hash": "contenthash", "prompt_hash": "prompthash",
         "settings_hash": "settingshash", "variant": "full", "method": "full", "budget": None, "scoring": None, "eviction": None,
-        "run_id": 7, "status": "skipped", "error": "too long", "prompt_tokens": 40,
+        "kv_bits": None, "run_id": 7, "status": "skipped", "error": "too long", "prompt_tokens": 40,
     }
 
 

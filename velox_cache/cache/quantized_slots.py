@@ -14,13 +14,16 @@ cover both in that order. A decode token joins the window. At budget it
 evicts the lowest-ranked held token exactly as ``TokenSlots`` ranks them
 (the window's tokens included), which leaves a *hole*: its codes (or float
 row) stay, ``live`` marks it dead, attention masks it and the ranking never
-picks it again. When the window's slots are all used they are quantized as
-one group and written into the quantized region's holes, each head its own
+picks it again. When a call finds a whole group in the window (before it
+appends: the tokens a call appends are attended in float), that group is
+quantized and written into the quantized region's holes, each head its own
 (every head evicts one token per step, so a head's holes are as many as its
 window's tokens quantized so far, wherever they sit), the region growing
 where a head has fewer holes than a group (the other heads' extra slots
 dead). Kept tokens are never re-quantized: eviction moves nothing, a group's
-scales stay while any of its tokens is held.
+scales stay while any of its tokens is held (then they go). A multi-token
+call while decoding (teacher forcing) widens the window for its tokens and
+is attended whole; the lowest-ranked tokens then become holes.
 
 Uniform heads only; decodes alone (batched decoding refuses it).
 """
@@ -31,6 +34,7 @@ import math
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 
 from ..kernels import kv_codes
 from ..kernels.attend import AttentionResult, attend_quantized
@@ -118,28 +122,19 @@ class QuantizedTokenSlots(TokenSlots):
     def held(self):
         if not self.quantized:
             return super().held()
-        q, groups = self.quantized_count, self.groups
+        groups = self.groups
+        live = self.live[:, :, : self.stored] if self.kept < self.stored else None
         view = QuantizedKV(
             self.key_codes, self.key_scales[:, :, :groups], self.key_zeros[:, :, :groups], self.key_groups,
             self.value_codes, self.value_scales, self.value_zeros, self.keys[:, :, : self.tail],
-            self.values[:, :, : self.tail], self.bits, self.value_group,
+            self.values[:, :, : self.tail], self.bits, self.value_group, live,
         )
         return view, view
 
     def attend(self, queries: mx.array, keys, values, **options) -> AttentionResult:
         if not isinstance(keys, QuantizedKV):
             return super().attend(queries, keys, values, **options)
-        if self.kept < self.stored:
-            options["mask"] = self._live_mask(queries.shape[1], options.get("mask"))
-        return attend_quantized(queries, keys, **options)
-
-    def _live_mask(self, n_q_heads: int, mask) -> mx.array:
-        """``[B, H*R, 1, N]`` bool: every held slot but the holes (with ``mask``, a boolean one, both)."""
-        if mask is not None and not (isinstance(mask, mx.array) and mask.dtype == mx.bool_):
-            raise ValueError("a quantized layer with evicted slots takes no causal or additive mask")
-        heads = self.live.shape[1]
-        visible = mx.repeat(self.live[:, :, : self.stored], n_q_heads // heads, axis=1)[:, :, None]
-        return visible if mask is None else visible & mask
+        return attend_quantized(queries, keys, **options)  # its ``live`` masks the holes
 
     @property
     def arrays(self) -> list:
@@ -182,8 +177,12 @@ class QuantizedTokenSlots(TokenSlots):
     def evict_to(self, budget: int) -> Optional[mx.array]:
         if not self.quantized:
             return super().evict_to(budget)
-        if self.kept_per_head > budget:
-            raise RuntimeError(f"a quantized layer holds {self.kept_per_head} tokens over its budget of {budget}")
+        excess = self.kept - budget
+        if excess > 0:  # after a multi-token call (teacher forcing): the lowest-ranked become holes
+            ranking = self.protected_ranking(budget)
+            victims = mx.argpartition(ranking, kth=excess - 1, axis=-1)[..., :excess]
+            self.live = mx.put_along_axis(self.live, victims, mx.array(False), axis=-1)
+            self.kept = budget
         return None
 
     def replace_lowest(self, keys: mx.array, values: mx.array, budget: int) -> None:
@@ -195,35 +194,44 @@ class QuantizedTokenSlots(TokenSlots):
         self.append(keys, values, self.offset, 0)
 
     def append(self, keys: mx.array, values: mx.array, first_position: int, spare: int) -> None:
+        """New tokens join the float window; whole groups already in it are quantized first (so the tokens
+        a call appends are attended in float, as the window's are)."""
         if not self.quantized:
             return super().append(keys, values, first_position, spare)
-        if keys.shape[2] != 1:
-            raise RuntimeError("a quantized layer takes one token at a time (decoding)")
-        slot = self.quantized_count + self.tail
-        self.keys[:, :, self.tail : self.tail + 1] = keys
-        self.values[:, :, self.tail : self.tail + 1] = values
-        self.scores[:, :, slot : slot + 1] = 0
-        self.positions[:, :, slot : slot + 1] = first_position
-        self.live[:, :, slot : slot + 1] = True
-        self.tail += 1
-        self.stored += 1
-        self.kept += 1
-        if self.tail == self.group:
+        while self.tail >= self.group:
             self._flush()
+        n = keys.shape[2]
+        start, stop = self.tail, self.tail + n
+        if stop > self.keys.shape[2]:  # a multi-token call: the window grows by whole groups
+            extra = -(-(stop - self.keys.shape[2]) // self.group) * self.group
+            self.keys, self.values = _grown(self.keys, extra), _grown(self.values, extra)
+            self.scores, self.positions = _grown(self.scores, extra), _grown(self.positions, extra)
+            self.live = _grown(self.live, extra)
+        q = self.quantized_count
+        self.keys[:, :, start:stop] = keys
+        self.values[:, :, start:stop] = values
+        self.scores[:, :, q + start : q + stop] = 0
+        self.positions[:, :, q + start : q + stop] = mx.arange(first_position, first_position + n, dtype=mx.int32)
+        self.live[:, :, q + start : q + stop] = True
+        self.tail, self.stored, self.kept = stop, self.stored + n, self.kept + n
 
     def _flush(self) -> None:
-        """The window's group quantized and written into each head's first holes, then after the region."""
+        """The window's first group quantized and written into each head's first holes, then after the region."""
         batch, heads = self.live.shape[:2]
-        key_codes, key_scales, key_zeros = kv_codes.quantize_keys(self.keys, self.group, self.bits)
-        value_codes, value_scales, value_zeros = kv_codes.quantize_values(self.values, self.value_group, self.bits)
         q, g = self.quantized_count, self.group
+        window_keys, window_values = self.keys[:, :, :g], self.values[:, :, :g]
+        key_codes, key_scales, key_zeros = kv_codes.quantize_keys(window_keys, g, self.bits)
+        value_codes, value_scales, value_zeros = kv_codes.quantize_values(window_values, self.value_group, self.bits)
         self.key_scales = _written(self.key_scales, key_scales, self.groups)
         self.key_zeros = _written(self.key_zeros, key_zeros, self.groups)
         new = {
             "key_codes": key_codes, "key_groups": mx.full((batch, heads, g), self.groups, mx.int32),
             "value_codes": value_codes, "value_scales": value_scales, "value_zeros": value_zeros,
-            "scores": self.scores[:, :, q:], "positions": self.positions[:, :, q:], "live": self.live[:, :, q:],
+            "scores": self.scores[:, :, q : q + g], "positions": self.positions[:, :, q : q + g],
+            "live": self.live[:, :, q : q + g],
         }
+        rest = {name: getattr(self, name)[:, :, q + g :] for name in ("scores", "positions", "live")}
+        rest_keys, rest_values = self.keys[:, :, g:], self.values[:, :, g:]
         self.groups += 1
         region_live = self.live[:, :, :q]
         holes = (~region_live).sum(axis=-1, keepdims=True).astype(mx.int32)  # [B, H, 1]
@@ -250,12 +258,25 @@ class QuantizedTokenSlots(TokenSlots):
             region["value_codes"], region["value_scales"], region["value_zeros"]
         )
         self.quantized_count = q + grow
-        self.stored = self.quantized_count
-        self.tail = 0
-        self.keys, self.values = mx.zeros_like(self.keys), mx.zeros_like(self.values)
-        self.scores = mx.concatenate([region["scores"], mx.zeros((batch, heads, g))], axis=2)
-        self.positions = mx.concatenate([region["positions"], mx.zeros((batch, heads, g), mx.int32)], axis=2)
-        self.live = mx.concatenate([region["live"], mx.zeros((batch, heads, g), mx.bool_)], axis=2)
+        self._forget_dead_groups(region)
+        self.tail -= g
+        self.stored = self.quantized_count + self.tail
+        self.keys, self.values = _grown(rest_keys, g), _grown(rest_values, g)  # the window keeps its size
+        for name in ("scores", "positions", "live"):
+            setattr(self, name, _grown(mx.concatenate([region[name], rest[name]], axis=2), g))
+
+    def _forget_dead_groups(self, region: dict) -> None:
+        """Drop the key scales of groups no held token uses any more, renumbering the others (order kept)."""
+        used = np.zeros(self.groups, bool)
+        used[np.unique(np.array(self.key_groups)[np.array(region["live"])])] = True
+        if used.all():
+            return
+        renumber = mx.array(np.cumsum(used) - 1, mx.int32)
+        kept = mx.array(np.nonzero(used)[0], mx.int32)
+        self.key_groups = mx.maximum(renumber[self.key_groups], 0)  # a hole's number no longer matters
+        self.key_scales = self.key_scales[:, :, kept]
+        self.key_zeros = self.key_zeros[:, :, kept]
+        self.groups = int(used.sum())
 
     # ----- what a quantized layer cannot do (it only decodes) -------------------------------------
 
@@ -286,6 +307,11 @@ class QuantizedTokenSlots(TokenSlots):
         if self.quantized or getattr(other, "quantized", False):
             self._refuse("adopt")
         super().adopt(other)
+
+
+def _grown(array: mx.array, extra: int) -> mx.array:
+    """``array`` with ``extra`` zero (False) slots after it on axis 2."""
+    return mx.concatenate([array, mx.zeros((*array.shape[:2], extra, *array.shape[3:]), array.dtype)], axis=2)
 
 
 def _window(tokens: mx.array, group: int) -> mx.array:

@@ -188,6 +188,8 @@ def attend_quantized(
     being read) take ``attend_and_score`` on the float ones, exactly.
     """
     batch, n_q_heads, n_queries, _ = queries.shape
+    if held.live is not None:
+        mask = _live_only(mask, held.live, n_q_heads, n_queries)
     if held.quantized == 0:
         return attend_and_score(
             queries, held.keys, held.values if values else None, scale=scale, mask=mask, sinks=sinks,
@@ -207,6 +209,20 @@ def attend_quantized(
         queries, keys.astype(queries.dtype), held_values.astype(queries.dtype) if values else None, scale=scale,
         mask=mask, sinks=sinks, score_rows=score_rows, entropy_rows=entropy_rows,
     )
+
+
+def _live_only(mask: Mask, live: mx.array, n_q_heads: int, n_queries: int) -> mx.array:
+    """``mask`` (None, causal, boolean or additive) with the dead slots of ``live`` ``[B, H, N]`` masked too."""
+    batch, heads, n_keys = live.shape
+    visible = mx.repeat(live, n_q_heads // heads, axis=1)[:, :, None]  # [B, H*R, 1, N]
+    if mask is None:
+        return visible
+    if isinstance(mask, str):
+        causal = mx.arange(n_keys)[None] <= (n_keys - n_queries + mx.arange(n_queries))[:, None]
+        return visible & causal
+    if mask.dtype == mx.bool_:
+        return visible & mask
+    return mx.where(visible, mask, -mx.inf)
 
 
 def attend(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Mask = None) -> mx.array:

@@ -121,6 +121,7 @@ class QuantizedKV:
         value_scales, value_zeros: ``float32 [B, H, Nq, D / value_group]``.
         keys, values: ``[B, H, Nt, D]``: the newest tokens in full precision (Nt may be 0).
         bits: 8 or 4. value_group: features per value scale.
+        live: ``bool [B, H, N]`` or None: False for a slot whose token was evicted (a hole attention skips).
     """
 
     key_codes: mx.array
@@ -134,6 +135,7 @@ class QuantizedKV:
     values: mx.array
     bits: int
     value_group: int
+    live: Optional[mx.array] = None
 
     @property
     def shape(self) -> tuple:

@@ -1,0 +1,54 @@
+"""Jobs with ``kv_bits`` variants: stored outputs and bytes, shared reading or alone, with a frontier."""
+
+import pytest
+
+from pipeline.spec import SpecError, parse_spec
+from tests.pipeline.helpers import invoke, rows, write_corpus
+
+QUANTIZED = [
+    {"name": "full", "method": "full"},
+    {"name": "pyramid", "method": "pyramidkv", "budget": 24},
+    {"name": "pyramid-8", "method": "pyramidkv", "budget": 24, "kv_bits": 8},
+    {"name": "squeeze-4", "method": "squeeze", "budget": 24, "kv_bits": 4},
+]
+
+
+def test_quantized_variants_store_the_same_rows_shared_or_alone(job, tmp_path):
+    write_corpus(tmp_path / "corpus.parquet", n=3)
+    shared, alone = tmp_path / "shared.db", tmp_path / "alone.db"
+    assert invoke("run", job({"output": {"db": str(shared)}}, variants=QUANTIZED), "-q").exit_code == 0
+    for variant in ("full", "pyramid-8", "squeeze-4"):
+        result = invoke("run", job({"output": {"db": str(alone)}}, variants=QUANTIZED), "-q", "--variant", variant)
+        assert result.exit_code == 0, result.output
+    columns = "document_id, variant, kv_bits, output, output_token_ids, kept_bytes, full_seq_bytes, agreement_vs_full"
+    query = f"select {columns} from documents where variant != 'pyramid' order by 1, 2"
+    assert rows(shared, query) == rows(alone, query)
+    bits = rows(shared, "select variant, kv_bits, count(*) from documents where status = 'done' group by 1, 2 order by 1")
+    assert bits == [("full", None, 3), ("pyramid", None, 3), ("pyramid-8", 8, 3), ("squeeze-4", 4, 3)]
+    # the bytes held at prefill end, when the quantized variants' codes were made: fewer than float's
+    kept = dict(rows(shared, "select variant, sum(kept_bytes) from documents group by 1"))
+    assert kept["squeeze-4"] < kept["pyramid-8"] < kept["pyramid"]
+    kinds = rows(shared, "select distinct variant, cache_kind from layer_stats where variant like '%-_' order by 1")
+    assert kinds == [("pyramid-8", "PyramidKVCache"), ("squeeze-4", "SqueezeAttentionCache")]
+
+
+def test_the_frontier_measures_quantized_variants_at_every_budget(job, tmp_path):
+    write_corpus(tmp_path / "corpus.parquet", n=2)
+    path = job(frontier={"budgets": [16, 32]}, variants=QUANTIZED[:3])
+    assert invoke("run", path, "-q").exit_code == 0
+    summary = rows(tmp_path / "store.db", "select variant, budget, documents, kept_share from frontier_summary "
+                                          "order by variant, budget")
+    assert [row[:3] for row in summary] == [("pyramid", "16", 2), ("pyramid", "32", 2), ("pyramid-8", "16", 2),
+                                            ("pyramid-8", "32", 2)]
+    share = {(variant, budget): kept for variant, budget, _, kept in summary}
+    assert share[("pyramid-8", "32")] < share[("pyramid", "32")], "bits x budget: the codes take fewer bytes"
+
+
+def test_the_full_variant_stays_the_float_reference():
+    spec = {"name": "j", "model": "m", "input": {"path": "x.parquet", "id_column": "id", "text_column": "t"},
+            "variants": [{"name": "full-8", "method": "full", "kv_bits": 8}]}
+    with pytest.raises(SpecError, match=r"variants\[0\]\.kv_bits: the full variant is the job's reference"):
+        parse_spec(spec)
+    spec["variants"] = [{"method": "pyramidkv", "kv_bits": 5}]
+    with pytest.raises(SpecError, match=r"variants\[0\]\.kv_bits"):
+        parse_spec(spec)
