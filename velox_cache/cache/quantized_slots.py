@@ -57,6 +57,7 @@ class QuantizedTokenSlots(TokenSlots):
         self.live: Optional[mx.array] = None  # [B, H, quantized + window slots] bool: False for a hole
         self.groups = 0
         self.tail = 0  # window slots used (live or evicted)
+        self.kept = 0  # tokens each head holds once quantized (every head evicts one per step at budget)
         self.value_group = 0
 
     @property
@@ -85,10 +86,8 @@ class QuantizedTokenSlots(TokenSlots):
             values[:, :, :n], self.value_group, self.bits
         )
         self.groups = n // self.group
-        self.key_groups = mx.broadcast_to(
-            mx.repeat(mx.arange(self.groups, dtype=mx.int32), self.group)[None, None], (batch, heads, n)
-        )
-        self.key_groups = mx.array(self.key_groups)
+        numbers = mx.repeat(mx.arange(self.groups, dtype=mx.int32), self.group)
+        self.key_groups = mx.array(mx.broadcast_to(numbers[None, None], (batch, heads, n)))
         self.tail = self.stored - n
         self.live = mx.concatenate(
             [mx.ones((batch, heads, self.stored), mx.bool_), mx.zeros((batch, heads, self.group - self.tail), mx.bool_)],
@@ -102,7 +101,7 @@ class QuantizedTokenSlots(TokenSlots):
             [positions, mx.zeros((batch, heads, self.group - self.tail), mx.int32)], axis=2
         )
         self.quantized_count = n
-        self.kept = self.stored  # tokens each head holds (every head evicts one per step at budget)
+        self.kept = self.stored
 
     # ----- layout hooks --------------------------------------------------------------------
 

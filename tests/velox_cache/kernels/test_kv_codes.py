@@ -162,3 +162,40 @@ def test_the_native_call_names_what_is_wrong():
         native.ops().attention_quantized(queries, held.keys, held.values, **{**arguments, "bits": 5}, mask=None, scale=1.0)
     with pytest.raises(ValueError, match="value_group"):
         native.ops().attention_quantized(queries, held.keys, held.values, **{**arguments, "value_group": 3}, mask=None, scale=1.0)
+
+
+@needs_native
+@pytest.mark.parametrize("instruction_set", ["baseline", "avx2", "avx512"])
+def test_every_instruction_set_reads_the_codes_alike(instruction_set):
+    """Each set's tiles (other lane counts: the codes read straight or dequantized per block) in a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    best = native.ops().attention_instruction_set()
+    runnable = {"baseline": ["baseline"], "avx2": ["baseline", "avx2"], "avx512": ["baseline", "avx2", "avx512"]}
+    if instruction_set not in runnable.get(best, ["baseline"]):
+        pytest.skip(f"this CPU runs {best}")
+    probe = (
+        "import mlx.core as mx\n"
+        "from velox_cache.kernels import native\n"
+        "from tests.velox_cache.kernels.test_kv_codes import QUANTIZED_CASES, CASES_OF, _held, _float64_of\n"
+        "from tests.velox_cache.kernels.test_native_attention import _inputs, _reference, _errors\n"
+        "from velox_cache.kernels.attend import attend_quantized\n"
+        "print(native.ops().attention_instruction_set())\n"
+        "for case, (base, n, bits, group, value_group, keep) in QUANTIZED_CASES.items():\n"
+        "    q, k, v, mask = _inputs(*CASES_OF[base], seed=3)\n"
+        "    mask = None if keep is not None and isinstance(mask, mx.array) else mask\n"
+        "    held = _held(k, v, n, bits, group, value_group, keep)\n"
+        "    got = attend_quantized(q, held, scale=0.2, mask=mask, score_rows=1, entropy_rows=1)\n"
+        "    exact = _float64_of(held)\n"
+        "    rows = q.shape[0] * q.shape[1]\n"
+        "    print(max(_errors((got.output, got.key_mass, got.entropy), _reference(q, *exact, 0.2, mask, 1, 1), exact[1], rows)))\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=root,
+                            env={**os.environ, "VELOX_NATIVE_ISA": instruction_set})
+    assert result.returncode == 0, result.stderr[-2000:]
+    chosen, *errors = result.stdout.split()
+    assert chosen == instruction_set
+    assert len(errors) == len(QUANTIZED_CASES) and all(float(e) <= native.ATTENTION_TOLERANCE for e in errors), errors

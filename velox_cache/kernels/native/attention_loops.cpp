@@ -71,6 +71,15 @@ inline Vector broadcast(Scalar x, std::index_sequence<LANE...>) {
   return Vector{((void)LANE, x)...};
 }
 inline Floats splat(float x) { return broadcast<Floats>(x, std::make_index_sequence<LANES>{}); }
+typedef uint8_t Bytes __attribute__((vector_size(LANES)));  // one code per float lane
+// Codes as floats, through 32-bit integers (widened, then converted: two vector instructions; straight from
+// bytes to floats GCC converts lane by lane).
+inline Floats codes_to_floats(Bytes b) { return __builtin_convertvector(__builtin_convertvector(b, Ints), Floats); }
+inline Floats codes_at(const uint8_t* p) {
+  Bytes b;
+  std::memcpy(&b, p, sizeof b);
+  return codes_to_floats(b);
+}
 inline Ints splat_int(int32_t x) { return broadcast<Ints>(x, std::make_index_sequence<LANES>{}); }
 // Sum (maximum) of the lanes, by halving: the upper half folded onto the lower.
 inline Floats fold_halves(Floats v, bool maximum) {
@@ -211,6 +220,7 @@ struct Workspace {
   std::vector<int64_t> key_index;           // pooled slots: the task's head's keys, in slot order
   std::vector<float> own_keys, own_values;  // ... gathered contiguous for the many-rows tiles
   std::vector<float> key_block, value_block;  // quantized: one key block's keys / values, dequantized
+  std::vector<float> query_scales;  // quantized decode tiles: each row's queries times a key group's scales
 };
 
 // A vector of rows [m0, m0 + NV * LANES) at a time, as two or one vectors.
@@ -369,7 +379,9 @@ class Task {
     const float* scale = key_scales + group * key_scale_stride;
     const float* zero = key_zeros + group * key_scale_stride;
     if (code_bytes == D) {
-      for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(code[d]) * scale[d] + zero[d];
+      int64_t d = 0;
+      for (; d + LANES <= D; d += LANES) store(out + d, codes_at(code + d) * load(scale + d) + load(zero + d));
+      for (; d < D; ++d) out[d] = static_cast<float>(code[d]) * scale[d] + zero[d];
     } else {
       for (int64_t i = 0; i < D / 2; ++i) {
         out[2 * i] = static_cast<float>(code[i] & 15) * scale[2 * i] + zero[2 * i];
@@ -388,7 +400,9 @@ class Task {
       float* to = out + g * group;
       if (code_bytes == D) {
         const uint8_t* c = code + g * group;
-        for (int64_t d = 0; d < group; ++d) to[d] = static_cast<float>(c[d]) * s + z;
+        int64_t d = 0;
+        for (; d + LANES <= group; d += LANES) store(to + d, codes_at(c + d) * s + z);
+        for (; d < group; ++d) to[d] = static_cast<float>(c[d]) * s + z;
       } else {
         const uint8_t* c = code + g * group / 2;
         for (int64_t i = 0; i < group / 2; ++i) {
@@ -603,8 +617,7 @@ class Task {
     }
     for (int64_t k0 = 0; k0 < key_end; k0 += KEY_BLOCK) {
       const int64_t n_block = std::min<int64_t>(KEY_BLOCK, key_end - k0);
-      load_keys(k0, n_block);
-      few_scores<ROWS>(k0, n_block, dp, position, mask_row);
+      few_block_scores<ROWS>(k0, n_block, dp, position, mask_row);
       const int64_t padded = (n_block + LANES - 1) / LANES * LANES;  // scores past n_block stay -inf
       for (int m = 0; m < ROWS; ++m) {
         float* s = w_.st.data() + m * KEY_BLOCK;
@@ -625,10 +638,7 @@ class Task {
         row_sum[m] = row_sum[m] * alpha[m] + lane_sum(sum);
         row_max[m] = new_max;
       }
-      if (p_.values != nullptr) {
-        load_values(k0, n_block);
-        few_values<ROWS>(k0, n_block, dp, alpha);
-      }
+      if (p_.values != nullptr) few_block_values<ROWS>(k0, n_block, dp, alpha);
     }
     if (p_.output != nullptr) {
       const int64_t heads = p_.task_heads * R;
@@ -639,6 +649,127 @@ class Task {
       }
     }
     few_score<ROWS>(sums, dp, position, mask_row, row_max, row_sum);
+  }
+
+  // The few rows' scores of the key block [k0, k0 + n_block): a block all of quantized keys straight from their
+  // codes (few_scores_codes), any other after load_keys (float rows in place, a mixed block dequantized).
+  template <int ROWS>
+  void few_block_scores(int64_t k0, int64_t n_block, int64_t dp, const int64_t* position, const int64_t* mask_row) {
+    if (quantized >= 0 && k0 + n_block <= quantized) {
+      few_scores_codes<ROWS>(k0, n_block, dp);
+      few_mask<ROWS>(k0, n_block, position, mask_row);
+      return;
+    }
+    load_keys(k0, n_block);
+    few_scores<ROWS>(k0, n_block, dp, position, mask_row);
+  }
+
+  template <int ROWS>
+  void few_block_values(int64_t k0, int64_t n_block, int64_t dp, const float* alpha) {
+    const int64_t group = p_.quantized.value_group;
+    if (quantized >= 0 && k0 + n_block <= quantized && code_bytes == D && D % LANES == 0 && group % LANES == 0) {
+      few_values_codes<ROWS>(k0, n_block, dp, alpha);
+      return;
+    }
+    load_values(k0, n_block);
+    few_values<ROWS>(k0, n_block, dp, alpha);
+  }
+
+  // S[m][j] for quantized keys j of [k0, k0 + n): with QS = q * the group's scales and qz = q . its zeros,
+  // q . (code * scale + zero) = QS . code + qz, so the codes are read once and never dequantized. At 4 bits QS
+  // holds the even features' products, then the odd ones', as the low and high nibbles come.
+  template <int ROWS>
+  void few_scores_codes(int64_t k0, int64_t n, int64_t dp) {
+    const float* q = w_.qt.data();
+    float* s = w_.st.data();
+    w_.query_scales.resize(ROWS * dp);
+    float* qs = w_.query_scales.data();
+    float qz[ROWS];
+    const int64_t half = D / 2;
+    int32_t current = -1;
+    for (int64_t j = k0; j < k0 + n; ++j) {
+      const int32_t group = key_groups[j];
+      if (group != current) {
+        current = group;
+        const float* scale = key_scales + group * key_scale_stride;
+        const float* zero = key_zeros + group * key_scale_stride;
+        for (int m = 0; m < ROWS; ++m) {
+          const float* row = q + m * dp;
+          float* out = qs + m * dp;
+          float bias = 0.0f;
+          for (int64_t d = 0; d < D; ++d) bias += row[d] * zero[d];
+          qz[m] = bias;
+          if (code_bytes == D) {
+            for (int64_t d = 0; d < D; ++d) out[d] = row[d] * scale[d];
+          } else {
+            for (int64_t i = 0; i < half; ++i) {
+              out[i] = row[2 * i] * scale[2 * i];
+              out[half + i] = row[2 * i + 1] * scale[2 * i + 1];
+            }
+          }
+        }
+      }
+      const uint8_t* code = key_codes + j * key_code_stride;
+      Floats acc[ROWS];
+      float tail[ROWS];
+      for (int m = 0; m < ROWS; ++m) acc[m] = Floats{}, tail[m] = 0.0f;
+      if (code_bytes == D) {
+        int64_t d = 0;
+        for (; d + LANES <= D; d += LANES) {
+          const Floats c = codes_at(code + d);
+          for (int m = 0; m < ROWS; ++m) acc[m] += load(qs + m * dp + d) * c;
+        }
+        for (; d < D; ++d)
+          for (int m = 0; m < ROWS; ++m) tail[m] += qs[m * dp + d] * static_cast<float>(code[d]);
+      } else {
+        int64_t i = 0;
+        for (; i + LANES <= half; i += LANES) {
+          Bytes b;
+          std::memcpy(&b, code + i, sizeof b);
+          const Floats low = codes_to_floats(b & 15), high = codes_to_floats(b >> 4);
+          for (int m = 0; m < ROWS; ++m) acc[m] += load(qs + m * dp + i) * low + load(qs + m * dp + half + i) * high;
+        }
+        for (; i < half; ++i)
+          for (int m = 0; m < ROWS; ++m)
+            tail[m] += qs[m * dp + i] * static_cast<float>(code[i] & 15) +
+                       qs[m * dp + half + i] * static_cast<float>(code[i] >> 4);
+      }
+      for (int m = 0; m < ROWS; ++m) s[m * KEY_BLOCK + (j - k0)] = lane_sum(acc[m]) + tail[m] + qz[m];
+    }
+  }
+
+  // O[m] = O[m] * alpha[m] + sum_j S[m][j] V[j] for quantized 8-bit values j of [k0, k0 + n), from their codes:
+  // S * (code * scale + zero) = (S * scale) * code + S * zero, the zeros' share added once per value group.
+  template <int ROWS>
+  void few_values_codes(int64_t k0, int64_t n, int64_t dp, const float* alpha) {
+    float* o = w_.ot.data();
+    const float* p = w_.st.data();
+    const int64_t group = p_.quantized.value_group, groups = D / group;
+    for (int m = 0; m < ROWS; ++m)
+      for (int64_t d = 0; d < dp; d += LANES) store(o + m * dp + d, load(o + m * dp + d) * alpha[m]);
+    w_.query_scales.assign(ROWS * groups, 0.0f);  // each row's sum of S * zero per value group
+    float* zero_share = w_.query_scales.data();
+    for (int64_t d0 = 0; d0 < D; d0 += LANES) {
+      const int64_t g = d0 / group;
+      Floats acc[ROWS];
+      for (int m = 0; m < ROWS; ++m) acc[m] = load(o + m * dp + d0);
+      for (int64_t j = k0; j < k0 + n; ++j) {
+        const float scale = value_scales[j * value_scale_stride + g];
+        const Floats c = codes_at(value_codes + j * value_code_stride + d0);
+        for (int m = 0; m < ROWS; ++m) acc[m] += splat(p[m * KEY_BLOCK + (j - k0)] * scale) * c;
+      }
+      for (int m = 0; m < ROWS; ++m) store(o + m * dp + d0, acc[m]);
+    }
+    for (int64_t j = k0; j < k0 + n; ++j)
+      for (int64_t g = 0; g < groups; ++g) {
+        const float zero = value_zeros[j * value_scale_stride + g];
+        for (int m = 0; m < ROWS; ++m) zero_share[m * groups + g] += p[m * KEY_BLOCK + (j - k0)] * zero;
+      }
+    for (int m = 0; m < ROWS; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        const Floats share = splat(zero_share[m * groups + g]);
+        for (int64_t d = g * group; d < (g + 1) * group; d += LANES) store(o + m * dp + d, load(o + m * dp + d) + share);
+      }
   }
 
   // S[m][0:n_block] = the block's scores (dot products, two keys at a time), masked.
@@ -681,6 +812,13 @@ class Task {
         s[m * KEY_BLOCK + j] = a;
       }
     }
+    few_mask<ROWS>(k0, n_block, position, mask_row);
+  }
+
+  // The block's scores past n_block (to a whole vector) at -inf, and the causal mask and the mask array applied.
+  template <int ROWS>
+  void few_mask(int64_t k0, int64_t n_block, const int64_t* position, const int64_t* mask_row) {
+    float* s = w_.st.data();
     const int64_t padded = (n_block + LANES - 1) / LANES * LANES;
     for (int m = 0; m < ROWS; ++m) {
       float* row = s + m * KEY_BLOCK;
@@ -764,8 +902,7 @@ class Task {
     for (int64_t k0 = 0; k0 < key_end; k0 += KEY_BLOCK) {
       const int64_t n_block = std::min<int64_t>(KEY_BLOCK, key_end - k0);
       const int64_t padded = (n_block + LANES - 1) / LANES * LANES;
-      load_keys(k0, n_block);
-      few_scores<ROWS>(k0, n_block, dp, position, mask_row);
+      few_block_scores<ROWS>(k0, n_block, dp, position, mask_row);
       for (int m = 0; m < ROWS; ++m) {
         const float shift = row_max[m] == NEG_INF ? 0.0f : row_max[m];
         for (int64_t j = 0; j < padded; j += LANES) {
