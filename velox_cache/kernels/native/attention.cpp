@@ -366,7 +366,52 @@ mx::array float32(const mx::array& a, const mx::Stream& s) {
   return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s);
 }
 
-std::tuple<std::optional<mx::array>, std::optional<mx::array>, std::optional<mx::array>> attention(
+using Results = std::tuple<std::optional<mx::array>, std::optional<mx::array>, std::optional<mx::array>>;
+
+// What every call checks and passes first: the causal and nothing-to-compute checks (the rows clamped to the
+// queries), then the inputs queries, keys, values (if any) and the mask (if any) broadcast to [B, H*R, S, N].
+std::vector<mx::array> leading_inputs(const char* who, const mx::array& queries, const mx::array& keys,
+                                      const std::optional<mx::array>& values, const std::optional<mx::array>& mask,
+                                      bool causal, int n_keys, int& score_rows, int& entropy_rows,
+                                      const mx::Stream& s) {
+  const int batch = queries.shape(0), q_heads = queries.shape(1), n_queries = queries.shape(2);
+  const std::string name(who);
+  if (causal && (mask || n_keys < n_queries)) {
+    throw std::invalid_argument(name + ": causal takes no mask array and at least as many keys as queries");
+  }
+  score_rows = std::clamp(score_rows, 0, n_queries);
+  entropy_rows = std::clamp(entropy_rows, 0, n_queries);
+  if (!values && score_rows == 0 && entropy_rows == 0) {
+    throw std::invalid_argument(name + ": nothing to compute (no values, no score_rows, no entropy_rows)");
+  }
+  std::vector<mx::array> inputs = {float32(queries, s), float32(keys, s)};
+  if (values) inputs.push_back(float32(*values, s));
+  if (mask) {
+    if (mask->ndim() > 4) throw std::invalid_argument(name + ": a mask has at most 4 axes");
+    mx::Shape shape(4 - mask->ndim(), 1);
+    shape.insert(shape.end(), mask->shape().begin(), mask->shape().end());
+    auto m = mx::reshape(*mask, shape, s);
+    m = mask->dtype() == mx::bool_ ? m : float32(m, s);
+    inputs.push_back(mx::broadcast_to(m, {batch, q_heads, n_queries, n_keys}, s));
+  }
+  return inputs;
+}
+
+// The primitive's outputs as (output, key mass, entropy), each None where not asked for.
+Results results_of(const std::shared_ptr<Attention>& primitive, const std::vector<mx::array>& inputs,
+                   const mx::array& queries, const mx::array& keys, int quantized, bool has_values, int score_rows,
+                   int entropy_rows) {
+  auto shapes = primitive->shapes(queries, keys, quantized);
+  auto arrays = mx::array::make_arrays(shapes, std::vector<mx::Dtype>(shapes.size(), mx::float32), primitive, inputs);
+  Results result;
+  size_t next = 0;
+  if (has_values) std::get<0>(result) = arrays[next++];
+  if (score_rows > 0) std::get<1>(result) = arrays[next++];
+  if (entropy_rows > 0) std::get<2>(result) = arrays[next++];
+  return result;
+}
+
+Results attention(
     const mx::array& queries, const mx::array& keys, const std::optional<mx::array>& values,
     const std::optional<mx::array>& mask, float scale, bool causal, int score_rows, int entropy_rows,
     const std::optional<mx::array>& key_heads, int pooled_heads) {
@@ -390,40 +435,16 @@ std::tuple<std::optional<mx::array>, std::optional<mx::array>, std::optional<mx:
     pooled_heads = 0;
   }
   if (values && values->shape() != keys.shape()) throw std::invalid_argument("attention: values must be keys' shape");
-  if (causal && (mask || n_keys < n_queries)) {
-    throw std::invalid_argument("attention: causal takes no mask array and at least as many keys as queries");
-  }
-  score_rows = std::clamp(score_rows, 0, n_queries);
-  entropy_rows = std::clamp(entropy_rows, 0, n_queries);
-  if (!values && score_rows == 0 && entropy_rows == 0) {
-    throw std::invalid_argument("attention: nothing to compute (no values, no score_rows, no entropy_rows)");
-  }
-  std::vector<mx::array> inputs = {float32(queries, s), float32(keys, s)};
-  if (values) inputs.push_back(float32(*values, s));
-  if (mask) {
-    if (mask->ndim() > 4) throw std::invalid_argument("attention: a mask has at most 4 axes");
-    mx::Shape shape(4 - mask->ndim(), 1);
-    shape.insert(shape.end(), mask->shape().begin(), mask->shape().end());
-    auto m = mx::reshape(*mask, shape, s);
-    m = mask->dtype() == mx::bool_ ? m : float32(m, s);
-    inputs.push_back(mx::broadcast_to(m, {batch, q_heads, n_queries, n_keys}, s));
-  }
+  auto inputs = leading_inputs("attention", queries, keys, values, mask, causal, n_keys, score_rows, entropy_rows, s);
   if (pooled_heads > 0) inputs.push_back(mx::astype(*key_heads, mx::int32, s));
   auto primitive = std::make_shared<Attention>(
       s, Settings{scale, causal, values.has_value(), mask.has_value(), score_rows, entropy_rows, pooled_heads});
-  auto shapes = primitive->shapes(queries, keys);
-  auto arrays = mx::array::make_arrays(shapes, std::vector<mx::Dtype>(shapes.size(), mx::float32), primitive, inputs);
-  std::tuple<std::optional<mx::array>, std::optional<mx::array>, std::optional<mx::array>> result;
-  size_t next = 0;
-  if (values) std::get<0>(result) = arrays[next++];
-  if (score_rows > 0) std::get<1>(result) = arrays[next++];
-  if (entropy_rows > 0) std::get<2>(result) = arrays[next++];
-  return result;
+  return results_of(primitive, inputs, queries, keys, 0, values.has_value(), score_rows, entropy_rows);
 }
 
 // Attention over quantized keys and values followed by float ones (the full-precision window): checks the
 // layout of velox_cache/kernels/kv_codes.py and builds the same primitive with the codes as extra inputs.
-std::tuple<std::optional<mx::array>, std::optional<mx::array>, std::optional<mx::array>> attention_quantized(
+Results attention_quantized(
     const mx::array& queries, const mx::array& keys, const std::optional<mx::array>& values,
     const mx::array& key_codes, const mx::array& key_scales, const mx::array& key_zeros,
     const mx::array& key_groups, const std::optional<mx::array>& value_codes,
@@ -471,25 +492,8 @@ std::tuple<std::optional<mx::array>, std::optional<mx::array>, std::optional<mx:
       throw std::invalid_argument("attention_quantized: value scales and zeros must be [B, H, count, D / value_group]");
     }
   }
-  const int n_keys = count + keys.shape(2);
-  if (causal && (mask || n_keys < n_queries)) {
-    throw std::invalid_argument("attention_quantized: causal takes no mask array and at least as many keys as queries");
-  }
-  score_rows = std::clamp(score_rows, 0, n_queries);
-  entropy_rows = std::clamp(entropy_rows, 0, n_queries);
-  if (!values && score_rows == 0 && entropy_rows == 0) {
-    throw std::invalid_argument("attention_quantized: nothing to compute (no values, no score_rows, no entropy_rows)");
-  }
-  std::vector<mx::array> inputs = {float32(queries, s), float32(keys, s)};
-  if (values) inputs.push_back(float32(*values, s));
-  if (mask) {
-    if (mask->ndim() > 4) throw std::invalid_argument("attention_quantized: a mask has at most 4 axes");
-    mx::Shape shape(4 - mask->ndim(), 1);
-    shape.insert(shape.end(), mask->shape().begin(), mask->shape().end());
-    auto m = mx::reshape(*mask, shape, s);
-    m = mask->dtype() == mx::bool_ ? m : float32(m, s);
-    inputs.push_back(mx::broadcast_to(m, {batch, q_heads, n_queries, n_keys}, s));
-  }
+  auto inputs = leading_inputs("attention_quantized", queries, keys, values, mask, causal, count + keys.shape(2),
+                               score_rows, entropy_rows, s);
   inputs.push_back(key_codes);
   inputs.push_back(float32(key_scales, s));
   inputs.push_back(float32(key_zeros, s));
@@ -502,14 +506,7 @@ std::tuple<std::optional<mx::array>, std::optional<mx::array>, std::optional<mx:
   Settings settings{scale, causal, values.has_value(), mask.has_value(), score_rows, entropy_rows, 0, bits,
                     values ? value_group : 0};
   auto primitive = std::make_shared<Attention>(s, settings);
-  auto shapes = primitive->shapes(queries, keys, count);
-  auto arrays = mx::array::make_arrays(shapes, std::vector<mx::Dtype>(shapes.size(), mx::float32), primitive, inputs);
-  std::tuple<std::optional<mx::array>, std::optional<mx::array>, std::optional<mx::array>> result;
-  size_t next = 0;
-  if (values) std::get<0>(result) = arrays[next++];
-  if (score_rows > 0) std::get<1>(result) = arrays[next++];
-  if (entropy_rows > 0) std::get<2>(result) = arrays[next++];
-  return result;
+  return results_of(primitive, inputs, queries, keys, count, values.has_value(), score_rows, entropy_rows);
 }
 
 }  // namespace
