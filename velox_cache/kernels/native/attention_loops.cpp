@@ -31,6 +31,10 @@
 #include "attention.h"
 #include "isa_vectors.h"
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace velox::VELOX_ISA {
 namespace {
 
@@ -71,14 +75,31 @@ inline Vector broadcast(Scalar x, std::index_sequence<LANE...>) {
   return Vector{((void)LANE, x)...};
 }
 inline Floats splat(float x) { return broadcast<Floats>(x, std::make_index_sequence<LANES>{}); }
-typedef uint8_t Bytes __attribute__((vector_size(LANES)));  // one code per float lane
-// Codes as floats, through 32-bit integers (widened, then converted: two vector instructions; straight from
-// bytes to floats GCC converts lane by lane).
-inline Floats codes_to_floats(Bytes b) { return __builtin_convertvector(__builtin_convertvector(b, Ints), Floats); }
-inline Floats codes_at(const uint8_t* p) {
-  Bytes b;
-  std::memcpy(&b, p, sizeof b);
-  return codes_to_floats(b);
+// LANES codes (bytes) as floats: zero-extended to 32-bit lanes, then converted (GCC's generic conversion
+// of a byte vector builds it lane by lane, so x86 sets use the widening instruction themselves).
+inline Floats codes_to_floats(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  Floats v;
+  for (int i = 0; i < LANES; ++i) v[i] = static_cast<float>(p[i]);
+#endif
+  Floats out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
+}
+inline Floats codes_at(const uint8_t* p) { return codes_to_floats(p); }
+// LANES packed 4-bit pairs (bytes) as the low nibbles' floats and the high nibbles'.
+inline void nibbles_to_floats(const uint8_t* p, Floats& low, Floats& high) {
+  uint8_t low_codes[LANES], high_codes[LANES];
+  for (int i = 0; i < LANES; ++i) {
+    low_codes[i] = p[i] & 15;
+    high_codes[i] = p[i] >> 4;
+  }
+  low = codes_to_floats(low_codes);
+  high = codes_to_floats(high_codes);
 }
 inline Ints splat_int(int32_t x) { return broadcast<Ints>(x, std::make_index_sequence<LANES>{}); }
 // Sum (maximum) of the lanes, by halving: the upper half folded onto the lower.
@@ -724,9 +745,8 @@ class Task {
       } else {
         int64_t i = 0;
         for (; i + LANES <= half; i += LANES) {
-          Bytes b;
-          std::memcpy(&b, code + i, sizeof b);
-          const Floats low = codes_to_floats(b & 15), high = codes_to_floats(b >> 4);
+          Floats low, high;
+          nibbles_to_floats(code + i, low, high);
           for (int m = 0; m < ROWS; ++m) acc[m] += load(qs + m * dp + i) * low + load(qs + m * dp + half + i) * high;
         }
         for (; i < half; ++i)
