@@ -17,7 +17,9 @@ SELECTIONS = ("cumulative", "window", "reconstruction")
 KV_DTYPES = ("float16", "bfloat16", "float32")
 KV_BITS = (8, 4)
 FULL_KV_GROUP = 64  # kv_group_size left open: tokens per key group of the full cache (~29% of float32 at 8 bits)
-EVICTING_KV_GROUP = 32  # ... and of an evicting cache (its window, a group still filling, is never evicted)
+# ... and of an evicting cache, per kv_bits: at 4 bits groups of 32 lost 0.038 agreement on squeeze at a 10% budget
+# (bench/RESULTS.md, "Quantized kept tokens"), groups of 16 0.016
+EVICTING_KV_GROUP = {8: 32, 4: 16}
 HEAD_BUDGETS = ("uniform", "adaptive")
 
 # Each method's timing and prefill-end ranking when a config leaves them open: its policy class's
@@ -144,8 +146,8 @@ class KVCacheConfig:
         kv_group_size: tokens per key scale and features per value scale
             (a value group wider than the head dim is the head dim; one that
             does not divide it becomes it). ``None``: 64 for the full cache,
-            32 for an evicting one; an evicting layer's group is at most a
-            quarter of its budget.
+            32 for an evicting one at 8 bits and 16 at 4; an evicting layer's
+            group is at most a quarter of its budget.
         kv_window: the newest tokens the full cache keeps in float under ``kv_bits``.
         scoring: ``observed`` (real attention, needs ``velox_cache.observe``) or
             ``key_proxy`` (each key stands in for its query). ``None`` picks
@@ -334,10 +336,10 @@ class KVCacheConfig:
 
     @property
     def kv_group(self) -> int:
-        """``kv_group_size``, or its default for this method (``FULL_KV_GROUP``, ``EVICTING_KV_GROUP``)."""
+        """``kv_group_size``, or its default for this method and ``kv_bits`` (``FULL_KV_GROUP``, ``EVICTING_KV_GROUP``)."""
         if self.kv_group_size is not None:
             return self.kv_group_size
-        return FULL_KV_GROUP if self.method == "full" else EVICTING_KV_GROUP
+        return FULL_KV_GROUP if self.method == "full" else EVICTING_KV_GROUP.get(self.kv_bits, 32)
 
     @property
     def budget_fraction(self) -> Optional[float]:
