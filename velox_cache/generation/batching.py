@@ -670,6 +670,20 @@ def join_layers(layers: list[BatchedLayer], joining: list[BatchedLayer]) -> None
         layer.join(new)
 
 
+def batch_refusal(stack: list) -> Optional[str]:
+    """Why this prefilled stack cannot join any batch (a layer's cache kind or state), or None.
+
+    Only what a row can tell on its own: rows that pass may still fail to batch
+    together (unequal heads or dtypes, different models).
+    """
+    for layer, cache in enumerate(stack):
+        try:
+            _Row.of(cache, layer)
+        except BatchUnsupported as refusal:
+            return str(refusal)
+    return None
+
+
 def batch_layers(stacks: list[list]) -> list[BatchedLayer]:
     """One ``BatchedLayer`` per layer for the prefilled cache stacks ``stacks`` (one per row, same model)."""
     if not stacks:

@@ -25,7 +25,7 @@ import mlx.nn as nn
 from ..builder import KVCacheBuilder
 from ..config import KVCacheConfig
 from ..kernels.observe import can_route
-from .batching import BatchUnsupported, batch_layers, join_layers
+from .batching import BatchUnsupported, batch_layers, batch_refusal, join_layers
 from .prefill import prefill_phases, repeat_request
 from .routing import attention_routing
 from .sampling import TokenSampler, greedy_choice, log_softmax
@@ -212,8 +212,10 @@ def _take_together(rows: list[DecodeRow], chosen: mx.array, values: mx.array) ->
 def _decode_together(model, rows: list[DecodeRow], pipelined: bool, refill=None) -> list[DecodeRow]:
     """Decode ``rows`` and what ``refill`` gives in one batch; returns the rows ``refill`` gave.
 
-    Rows that cannot batch (``BatchUnsupported``) are left with their pending token
-    for decoding alone; so is every row when the batch cannot go on.
+    Rows that cannot batch (``batch_refusal``: a quantized row, a cache kind that does
+    not batch) are left with their pending token for decoding alone while the
+    others batch; rows that cannot batch together, and every row when the batch
+    cannot go on, decode alone too.
     """
     joined: list[DecodeRow] = []
     layers: Optional[list] = None
@@ -225,6 +227,7 @@ def _decode_together(model, rows: list[DecodeRow], pipelined: bool, refill=None)
         more = list(refill(list(in_batch))) if refill is not None else []
         joined += more
         waiting += _first_tokens(more)
+        waiting = [row for row in waiting if batch_refusal(row.caches) is None]  # the others decode alone
         if waiting:
             try:  # nothing of the rows' own caches is touched before a step has run with them
                 batched = batch_layers([row.caches for row in waiting])

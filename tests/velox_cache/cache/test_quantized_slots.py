@@ -118,3 +118,31 @@ def test_a_stack_cut_from_a_reading_is_its_own(tiny_model):
     for a, b in zip(cut, own):
         assert a.slots.quantized and b.slots.quantized
         assert all(mx.array_equal(x, y).item() for x, y in zip(a.slots.arrays, b.slots.arrays))
+
+
+def test_a_quantized_row_decodes_alone_while_the_others_batch(tiny_model):
+    from velox_cache.generation.decode import DecodeRow, decode_rows
+    from velox_cache.generation.sampling import TokenSampler
+
+    model, tokenizer = tiny_model
+
+    def rows(bits_of_each):
+        made = []
+        for bits in bits_of_each:
+            config = KVCacheConfig(method="pyramidkv", budget=BUDGET, scoring="observed", kv_bits=bits)
+            stack = KVCacheBuilder.for_model(model, config, prompt_tokens=160)
+            with velox_cache.observe(model):
+                logits = prefill_phases(model, stack, document=_prompt(tokenizer), max_new_tokens=12)
+            sampler = TokenSampler()
+            made.append(DecodeRow(stack, sampler, sampler.logprobs(logits), 12))
+        return made
+
+    together = rows([None, 8, None])
+    with velox_cache.observe(model):
+        decode_rows(model, together)
+    assert [row.batch_size for row in together] == [2, 1, 2], "the float rows batched, the quantized one alone"
+    for bits, row in zip([None, 8, None], together):
+        alone = rows([bits])
+        with velox_cache.observe(model):
+            decode_rows(model, alone)
+        assert alone[0].tokens == row.tokens
