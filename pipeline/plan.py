@@ -103,11 +103,17 @@ class FrontierPoint:
     variant: Variant  # as it reads this prompt
     budget: object  # tokens, or a share of the prompt ("25%")
     key: str
+    kv_bits: Optional[int] = None  # what its kept tokens are quantized to (None: float)
 
 
-def frontier_key(document_id: str, basis: str, settings_hash: str, variant: Variant, budget) -> str:
-    """What decides one frontier point: prompt tokens, model and generation, the variant's settings, the budget."""
-    raw = json.dumps([document_id, basis, settings_hash, variant_hash(variant), str(budget)])
+def frontier_key(document_id: str, basis: str, settings_hash: str, variant: Variant, budget,
+                 kv_bits: Optional[int] = None) -> str:
+    """What decides one frontier point: prompt tokens, model and generation, the variant's settings, the budget
+    and its ``kv_bits`` (named only where it is not the variant's own, so that other points keep their keys)."""
+    parts = [document_id, basis, settings_hash, variant_hash(variant), str(budget)]
+    if kv_bits != variant.cache.kv_bits:
+        parts.append(f"kv_bits={kv_bits}")
+    raw = json.dumps(parts)
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
@@ -248,10 +254,12 @@ def _frontier_due(spec: JobSpec, store, plan: DocumentPlan, force: bool) -> list
     points = [
         FrontierPoint(variant.for_document(True), budget,
                       frontier_key(prepared.document.document_id, prepared.basis, plan.settings_hash,
-                                   variant.for_document(True), budget))
+                                   variant.for_document(True), budget, bits),
+                      bits)
         for variant in spec.variants
         if variant.cache.method != "full"
         for budget in spec.frontier.budgets
+        for bits in (spec.frontier.bits or [variant.cache.kv_bits])
     ]
     settled = set() if force else store.settled_frontier([point.key for point in points])
     return [point for point in points if point.key not in settled]

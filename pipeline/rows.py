@@ -109,6 +109,7 @@ def frontier_rows(plan: DocumentPlan, run_id: int, points: list[dict]) -> list[d
             "variant": point.variant.name,
             "method": point.variant.cache.method,
             "budget": str(point.budget),
+            "kv_bits": point.kv_bits,
             "prompt_tokens": prepared.prompt_tokens,
             "status": measured["status"],
             "note": measured.get("note"),

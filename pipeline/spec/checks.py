@@ -54,6 +54,7 @@ def validate(spec: JobSpec) -> None:
     """
     inp, gen, lim = spec.input, spec.generation, spec.limits
     _check_frontier(spec.frontier.budgets)
+    _check_frontier_bits(spec.frontier.bits)
     if not inp.path.strip():
         raise SpecError("input.path: must not be empty")
     if bool(inp.text_column) == bool(inp.prompt_column):
@@ -118,6 +119,19 @@ def _validate_engine(engine: EngineSpec) -> None:
         for name in ("workers", "address"):
             if getattr(engine, name) is not None:
                 raise SpecError(f"engine.{name}: only the ray engine has {name} (set engine.name: ray or --engine ray)")
+
+
+def _check_frontier_bits(bits) -> None:
+    """``frontier.bits``: a list of ``kv_bits`` levels (null for float, 8, 4), each once."""
+    from velox_cache.config import KV_BITS  # velox_cache loads MLX: only here
+
+    if not isinstance(bits, list):
+        raise SpecError(f"frontier.bits: expected a list like [null, 8, 4], got {bits!r}")
+    for i, level in enumerate(bits):
+        if level is not None and (isinstance(level, bool) or level not in KV_BITS):
+            raise SpecError(f"frontier.bits[{i}]: {level!r} is not null (float) or one of {', '.join(map(str, KV_BITS))}")
+    if len(set(bits)) != len(bits):
+        raise SpecError("frontier.bits: each level once")
 
 
 def _check_frontier(budgets) -> None:

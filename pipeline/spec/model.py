@@ -89,9 +89,12 @@ class LimitsSpec:
 @dataclass
 class FrontierSpec:
     """``budgets``: every budget (tokens, or a share like ``"25%"``) at which each compressed variant's
-    policy is measured against the full output, from the document's shared reading (empty: no frontier)."""
+    policy is measured against the full output, from the document's shared reading (empty: no frontier).
+    ``bits``: the ``kv_bits`` each budget is measured at (null: float, 8, 4; empty: each variant's own), so
+    the frontier is budget x bits."""
 
     budgets: list = field(default_factory=list)
+    bits: list = field(default_factory=list)
 
 
 @dataclass

@@ -475,6 +475,30 @@ def m014_kv_bits(db: sqlite_utils.Database) -> None:
     db["documents"].add_column("kv_bits", int)
 
 
+@migration
+def m015_frontier_bits(db: sqlite_utils.Database) -> None:
+    """The frontier's ``kv_bits`` axis (``frontier.bits``): each point's bits (null: float), one summary row per
+    variant x budget x bits."""
+    db["frontier"].add_column("kv_bits", int)
+    db.create_view(
+        "frontier_summary",
+        f"""
+        select r.job_name, f.variant, f.method, f.budget, f.kv_bits, count(*) as documents,
+               round(sum(f.kept_bytes) * 1.0 / sum(f.full_seq_bytes), 4) as kept_share,
+               round(avg(f.kept_share), 4) as mean_kept_share,
+               round(avg(f.agreement_vs_full), 3) as mean_agreement_vs_full,
+               round(min(f.agreement_vs_full), 3) as worst_agreement_vs_full,
+               round(avg(f.nll_gap_vs_full), 3) as mean_nll_gap_vs_full,
+               round(avg(f.compression_ratio), 2) as mean_compression_ratio
+        from frontier f join runs r on r.id = f.run_id
+        where f.is_latest = 1 and f.status = 'done' and f.accounting = '{ACCOUNTING}'
+        group by r.job_name, f.variant, f.method, f.budget, f.kv_bits
+        order by r.job_name, f.variant, f.kv_bits, kept_share
+        """,
+        replace=True,
+    )
+
+
 def migrate(db: sqlite_utils.Database, *, transaction: Optional[Callable] = None) -> list[str]:
     """Apply the migrations not yet recorded, each in one transaction; returns the names applied.
 

@@ -212,20 +212,22 @@ def report_layers(path, run_id: int) -> list[dict]:
 
 
 def report_frontier(path, job_name: str) -> list[dict]:
-    """The compression frontier of a job's latest points (``frontier_summary``): per variant and budget, the documents,
+    """The compression frontier of a job's latest points (``frontier_summary``): per variant, budget and bits (a
+    quantized point's variant named with its bits), the documents,
     the share of their prompts' bytes kept (all together, and the mean per document), mean and worst
     agreement, mean compression ratio (by share kept)."""
     if not _read_dicts(path, "select 1 from sqlite_master where type = 'table' and name = 'frontier'"):
         return []
     return _read_dicts(
         path,
-        "select f.variant, f.method, f.budget, count(*) as documents, "
+        "select f.variant || case when f.kv_bits is null then '' else ' (' || f.kv_bits || ' bits)' end as variant, "
+        "f.method, f.budget, f.kv_bits, count(*) as documents, "
         "sum(f.kept_bytes) * 1.0 / sum(f.full_seq_bytes) as kept_share, avg(f.kept_share) as mean_kept_share, "
         "avg(f.agreement_vs_full) as mean_agreement, min(f.agreement_vs_full) as worst_agreement, "
         "avg(f.compression_ratio) as mean_compression_ratio "
         "from frontier f join runs r on r.id = f.run_id "
         "where r.job_name = ? and f.is_latest = 1 and f.status = 'done' and f.accounting = ? "
-        "group by f.variant, f.method, f.budget order by f.variant, kept_share",
+        "group by f.variant, f.method, f.budget, f.kv_bits order by f.variant, f.kv_bits, kept_share",
         [job_name, ACCOUNTING],
     )
 

@@ -256,7 +256,7 @@ class Store:
 
     def save_frontier(self, rows: list[dict]) -> None:
         """Store frontier points atomically: each replaces the row of its ``frontier_key`` and becomes the
-        latest of its document × variant × budget (earlier ones stay as history, ``is_latest = 0``)."""
+        latest of its document × variant × budget × bits (earlier ones stay as history, ``is_latest = 0``)."""
         if not rows:
             return
         with self._write():
@@ -264,8 +264,9 @@ class Store:
                 self.db.execute("delete from frontier where frontier_key = ?", [row["frontier_key"]])
                 point = self.db["frontier"].insert({**row, "created_at": now(), "is_latest": 1}).last_pk
                 self.db.execute(
-                    "update frontier set is_latest = (id = ?) where document_id = ? and variant = ? and budget = ?",
-                    [point, row["document_id"], row["variant"], row["budget"]],
+                    "update frontier set is_latest = (id = ?) where document_id = ? and variant = ? and budget = ? "
+                    "and kv_bits is ?",
+                    [point, row["document_id"], row["variant"], row["budget"], row.get("kv_bits")],
                 )
 
     def full_reference(self, document_id: str, prompt_hash: str, settings_hash: str) -> Optional[dict]:

@@ -52,3 +52,35 @@ def test_the_full_variant_stays_the_float_reference():
     spec["variants"] = [{"method": "pyramidkv", "kv_bits": 5}]
     with pytest.raises(SpecError, match=r"variants\[0\]\.kv_bits"):
         parse_spec(spec)
+
+
+def test_the_frontier_is_budget_by_bits(job, tmp_path):
+    write_corpus(tmp_path / "corpus.parquet", n=2)
+    path = job(frontier={"budgets": [16, 24], "bits": [None, 8, 4]}, variants=QUANTIZED[:2])
+    assert invoke("run", path, "-q").exit_code == 0
+    db = tmp_path / "store.db"
+    summary = rows(db, "select budget, kv_bits, documents, kept_share from frontier_summary order by budget, kv_bits")
+    assert [row[:3] for row in summary] == [("16", None, 2), ("16", 4, 2), ("16", 8, 2),
+                                            ("24", None, 2), ("24", 4, 2), ("24", 8, 2)]
+    share = {(budget, bits): kept for budget, bits, _, kept in summary}
+    assert share[("24", 4)] < share[("24", 8)] < share[("24", None)]
+    # the float point at the variant's own budget is the variant's own row (pyramidkv at 24, in float)
+    same = rows(db, """select count(*) from frontier f join documents d on d.document_id = f.document_id
+                       and d.variant = f.variant where f.budget = '24' and f.kv_bits is null
+                       and f.agreement_vs_full = d.agreement_vs_full and f.kept_bytes = d.kept_bytes""")
+    assert same == [(2,)]
+    assert invoke("run", path, "-q").exit_code == 0
+    assert rows(db, "select count(*) from frontier") == [(12,)], "a rerun measures nothing again"
+    # float points keep the keys they had before the bits axis existed
+    plain = tmp_path / "plain.db"
+    unquantized = job({"output": {"db": str(plain)}}, frontier={"budgets": [16, 24]}, variants=QUANTIZED[:2])
+    assert invoke("run", unquantized, "-q").exit_code == 0
+    keys = "select frontier_key from frontier where kv_bits is null order by 1"
+    assert rows(plain, keys) == rows(db, keys)
+
+
+def test_frontier_bits_name_the_bad_level(job):
+    from pipeline.spec import load_spec
+
+    with pytest.raises(SpecError, match=r"frontier\.bits\[1\]: 3 is not null"):
+        load_spec(job(frontier={"budgets": [16], "bits": [8, 3]}))
