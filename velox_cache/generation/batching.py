@@ -586,6 +586,7 @@ class RowFootprint(NamedTuple):
     own_bytes: int  # its caches as they are now (it keeps them until it leaves the batch)
     widths: tuple  # per layer: the slots per head it needs by its last new token
     slot_bytes: tuple  # per layer: one slot's bytes across heads (key, value, score, position, flat index)
+    batches: bool = True  # False: it decodes alone (``batch_refusal``), in no batch buffer: its own bytes only
 
 
 def row_footprint(stack: list, new_tokens: int) -> RowFootprint:
@@ -594,8 +595,12 @@ def row_footprint(stack: list, new_tokens: int) -> RowFootprint:
     Take it before the row joins: once it decodes in a batch, its own caches' counts
     stay as they were when it joined (the batch counts for it).
     """
+    own = sum(getattr(cache, "nbytes", 0) for cache in stack)
+    if batch_refusal(stack) is not None:  # it decodes alone: what it holds, and what a full one grows by
+        growth = sum(new_tokens * cache.tokens.float_bytes_per_token() for cache in stack if hasattr(cache, "tokens"))
+        return RowFootprint(own + growth, (), (), batches=False)
     widths, sizes = zip(*(_final_width(cache, new_tokens) for cache in stack)) if stack else ((), ())
-    return RowFootprint(sum(getattr(cache, "nbytes", 0) for cache in stack), tuple(widths), tuple(sizes))
+    return RowFootprint(own, tuple(widths), tuple(sizes))
 
 
 def batch_footprint(rows: list[RowFootprint]) -> int:
@@ -604,8 +609,9 @@ def batch_footprint(rows: list[RowFootprint]) -> int:
     if not rows:
         return 0
     own = sum(row.own_bytes for row in rows)
-    buffers = sum(len(rows) * max(widths) * max(sizes) for widths, sizes in
-                  zip(zip(*(row.widths for row in rows)), zip(*(row.slot_bytes for row in rows))))
+    batched = [row for row in rows if row.batches]
+    buffers = sum(len(batched) * max(widths) * max(sizes) for widths, sizes in
+                  zip(zip(*(row.widths for row in batched)), zip(*(row.slot_bytes for row in batched))))
     return own + buffers
 
 

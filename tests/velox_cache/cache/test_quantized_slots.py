@@ -146,3 +146,18 @@ def test_a_quantized_row_decodes_alone_while_the_others_batch(tiny_model):
         with velox_cache.observe(model):
             decode_rows(model, alone)
         assert alone[0].tokens == row.tokens
+
+
+def test_a_quantized_row_costs_a_batch_its_own_bytes(tiny_model):
+    from velox_cache.generation.batching import decode_footprint, row_footprint
+
+    model, tokenizer = tiny_model
+    quantized = _decoded(model, tokenizer, {"method": "pyramidkv"}, steps=1)
+    floats = KVCacheBuilder.for_model(model, KVCacheConfig(method="pyramidkv", budget=BUDGET, scoring="observed"),
+                                      prompt_tokens=160)
+    with velox_cache.observe(model):
+        prefill_phases(model, floats, document=_prompt(tokenizer), max_new_tokens=8)
+    footprint = row_footprint(quantized, 8)
+    assert not footprint.batches and footprint.own_bytes == sum(cache.nbytes for cache in quantized)
+    alone = decode_footprint([floats], [8])
+    assert decode_footprint([floats, quantized], [8, 8]) == alone + footprint.own_bytes, "no batch buffer for it"
