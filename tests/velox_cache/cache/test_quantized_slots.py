@@ -161,3 +161,21 @@ def test_a_quantized_row_costs_a_batch_its_own_bytes(tiny_model):
     assert not footprint.batches and footprint.own_bytes == sum(cache.nbytes for cache in quantized)
     alone = decode_footprint([floats], [8])
     assert decode_footprint([floats, quantized], [8, 8]) == alone + footprint.own_bytes, "no batch buffer for it"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_document_streamed_past_the_context_decodes_at_kv_bits(tiny_model, bits):
+    """Streaming (probes, compaction past the context) reads in float; decoding then holds codes."""
+    model, tokenizer = tiny_model
+    document = tokenizer.encode("Streaming reads the document chunk by chunk and keeps a budget. " * 6)
+    instruction = tokenizer.encode("\nSummarize the text above.")
+    config = KVCacheConfig(method="pyramidkv", budget=24, eviction="streaming", scoring="observed", kv_bits=bits)
+    stack = KVCacheBuilder.for_model(model, config)
+    with velox_cache.observe(model):
+        logits = prefill_phases(model, stack, document=document, instruction=instruction, chunk_size=32,
+                                max_new_tokens=20, context_length=160)
+        for _ in range(20):
+            logits = model(mx.argmax(logits, axis=-1)[None], cache=stack)[:, -1]
+    assert len(document) + len(instruction) > 2 * 160
+    assert mx.isfinite(logits).all().item()
+    assert all(c.slots.quantized and c.offset <= 160 and c.tokens_kept <= c.layer_budget for c in stack)
