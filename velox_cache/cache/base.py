@@ -40,10 +40,10 @@ from .accounting import CacheAccounting
 from .choices import PolicyChoices
 from .head_slots import HeadPooledSlots
 from .phases import LOOK_AHEAD, PROBE, LayerPhase, Phase, ProbeMark
+from .quantized_slots import QuantizedTokenSlots
 from .scoring import LayerScoring
 from .selection import WindowSelector, blend_with_mass
 from .signals import CumulativeMass
-from .quantized_slots import QuantizedTokenSlots
 from .slots import TokenSlots
 from .timing import make_timing
 
