@@ -179,3 +179,19 @@ def test_a_document_streamed_past_the_context_decodes_at_kv_bits(tiny_model, bit
     assert len(document) + len(instruction) > 2 * 160
     assert mx.isfinite(logits).all().item()
     assert all(c.slots.quantized and c.offset <= 160 and c.tokens_kept <= c.layer_budget for c in stack)
+
+
+def test_plain_mlx_lm_generate_quantizes_when_its_first_token_comes(tiny_model):
+    """The user path: ``mlx_lm``'s generate tells no phases; the first single-token call ends prefill."""
+    from mlx_lm.generate import generate_step
+
+    model, tokenizer = tiny_model
+    config = KVCacheConfig(method="h2o", budget=BUDGET, scoring="observed", kv_bits=8)
+    stack = KVCacheBuilder.for_model(model, config)
+    with velox_cache.observe(model):
+        steps = generate_step(mx.array(_prompt(tokenizer)), model, prompt_cache=stack, max_tokens=30)
+        tokens = [int(token) for token, _ in steps]
+    assert len(tokens) == 30
+    assert all(c.slots.quantized and c.tokens_kept <= BUDGET for c in stack)
+    assert all(c.slots.groups >= 1 for c in stack), [c.slots.groups for c in stack]
+    assert all(c.offset == 160 + 30 for c in stack), [c.offset for c in stack]  # mlx-lm feeds the last token too
