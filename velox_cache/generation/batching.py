@@ -51,12 +51,11 @@ from ..cache.signals import Recency, Signal, fold_heads
 from ..cache.slots import GROWTH_STEP, decode_capacity, protect, recent_limit
 from ..kernels.attend import attend_and_score
 from ..kernels.observe import is_routed
+from .quantized_batching import QuantizedFullBatch
+from .unsupported import BatchUnsupported
 
 FULL_STEP = KVCache.step  # mlx-lm's KVCache grows by this many slots
 
-
-class BatchUnsupported(ValueError):
-    """These caches (or this model) cannot decode as one batch; decode the rows one at a time."""
 
 
 @dataclass
@@ -82,7 +81,7 @@ class _Row:
         if isinstance(cache, EvictingKVCache):
             return cls._of_evicting(cache, layer)
         if getattr(cache, "kv_bits", None):
-            raise BatchUnsupported(f"layer {layer}: a cache holding quantized tokens (kv_bits) decodes alone")
+            raise BatchUnsupported(f"layer {layer}: a cache holding quantized tokens (kv_bits) batches only with its own kind")
         if not isinstance(cache, KVCache) or cache.keys is None:
             raise BatchUnsupported(
                 f"layer {layer}: a {type(cache).__name__} cannot decode in a batch (only Velox's evicting "
@@ -599,7 +598,8 @@ def row_footprint(stack: list, new_tokens: int) -> RowFootprint:
     if batch_refusal(stack) is not None:  # it decodes alone: what it holds, and what a full one grows by
         growth = sum(new_tokens * cache.tokens.float_bytes_per_token() for cache in stack if hasattr(cache, "tokens"))
         return RowFootprint(own + growth, (), (), batches=False)
-    widths, sizes = zip(*(_final_width(cache, new_tokens) for cache in stack)) if stack else ((), ())
+    parts = [part for cache in stack for part in _final_widths(cache, new_tokens)]
+    widths, sizes = zip(*parts) if parts else ((), ())
     return RowFootprint(own, tuple(widths), tuple(sizes))
 
 
@@ -628,6 +628,18 @@ def decode_footprint(stacks: list[list], new_tokens: list[int]) -> int:
     if len(stacks) != len(new_tokens):
         raise ValueError(f"new_tokens: {len(new_tokens)} counts for {len(stacks)} stacks")
     return batch_footprint([row_footprint(stack, new) for stack, new in zip(stacks, new_tokens)])
+
+
+def _final_widths(cache, new: int) -> list[tuple[int, int]]:
+    """``_final_width`` of one layer; a quantized full cache's batch holds two parts: its codes, padded as they
+    are (a quantized token's codes, group number and value scales), and its float window, growing by ``new``."""
+    if not _quantized_full(cache):
+        return [_final_width(cache, new)]
+    tokens = cache.tokens
+    per_code = sum(getattr(tokens, name).nbytes // max(1, getattr(tokens, name).shape[2])
+                   for name in ("key_codes", "key_groups", "value_codes", "value_scales", "value_zeros")
+                   if getattr(tokens, name) is not None)
+    return [(tokens.quantized, per_code), (tokens.tail + new, tokens.float_bytes_per_token())]
 
 
 def _final_width(cache, new: int) -> tuple[int, int]:
@@ -683,11 +695,20 @@ def batch_refusal(stack: list) -> Optional[str]:
     together (unequal heads or dtypes, different models).
     """
     for layer, cache in enumerate(stack):
+        if _quantized_full(cache):
+            if not cache.decoding:
+                return f"layer {layer}: a quantized full cache joins a batch once decoding started"
+            continue  # batches with its own kind (``QuantizedFullBatch``)
         try:
             _Row.of(cache, layer)
         except BatchUnsupported as refusal:
             return str(refusal)
     return None
+
+
+def _quantized_full(cache) -> bool:
+    """True for a full cache at ``kv_bits`` (``QuantizedFullKVCache``), which batches as ``QuantizedFullBatch``."""
+    return hasattr(cache, "tokens") and bool(getattr(cache, "kv_bits", None))
 
 
 def batch_layers(stacks: list[list]) -> list[BatchedLayer]:
@@ -697,4 +718,11 @@ def batch_layers(stacks: list[list]) -> list[BatchedLayer]:
     depth = {len(stack) for stack in stacks}
     if len(depth) > 1:
         raise BatchUnsupported(f"rows have stacks of different depths {sorted(depth)}: not the same model")
-    return [BatchedLayer([stack[layer] for stack in stacks], layer) for layer in range(len(stacks[0]))]
+    layers = []
+    for layer in range(len(stacks[0])):
+        caches = [stack[layer] for stack in stacks]
+        quantized = [_quantized_full(cache) for cache in caches]
+        if any(quantized) and not all(quantized):
+            raise BatchUnsupported(f"layer {layer}: quantized full rows batch only with their own kind")
+        layers.append(QuantizedFullBatch(caches, layer) if all(quantized) else BatchedLayer(caches, layer))
+    return layers

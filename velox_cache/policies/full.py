@@ -56,13 +56,15 @@ class QuantizedFullKVCache(FullKVCache):
     decoding starts (the phase told, or the first single-token call outside a
     probe) the held tokens are quantized a group of ``kv_group_size`` at a
     time (``velox_cache.cache.quantized_tokens``), the newest ``kv_window``
-    and the rest of a group kept in float; each decode step's token joins
-    that window and a group is quantized whenever one more is whole. Keys are
-    quantized per channel, values per token.
+    and the rest of a group kept in float. Generated tokens join that float
+    window and stay there: nothing is quantized while decoding, so a row
+    holds the same alone and in a batch
+    (``velox_cache.generation.quantized_batching``), at the cost of the
+    generated tokens' float bytes. Keys are quantized per channel, values per
+    token.
 
     Attention must run through Velox (``velox_cache.fast_attention`` or
-    ``observe``): the model's own attention cannot read codes. Decodes alone:
-    batched decoding refuses it.
+    ``observe``): the model's own attention cannot read codes.
     """
 
     def __init__(self, config: Optional[KVCacheConfig] = None, layer_id: Optional[int] = None):
@@ -124,8 +126,6 @@ class QuantizedFullKVCache(FullKVCache):
             self._start_decoding()  # never told: the first generated token, as mlx_lm.generate feeds it
         self.tokens.append(keys, values)
         self.offset += keys.shape[2]
-        if self.decoding and not self._probe_marks:
-            self.tokens.settle()
         held = self.tokens.held()
         return held, held
 

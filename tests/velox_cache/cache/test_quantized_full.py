@@ -56,7 +56,7 @@ def test_the_builder_gives_quantized_full_caches(tiny_model):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_prefill_is_the_float_cache_and_decoding_quantizes_whole_groups(tiny_model, bits):
+def test_prefill_is_the_float_cache_and_decoding_starts_with_whole_groups_quantized(tiny_model, bits):
     model, tokenizer = tiny_model
     prompt = _prompt(tokenizer, 150)
     plain = KVCacheBuilder.for_model(model, KVCacheConfig(method="full"))
@@ -71,8 +71,8 @@ def test_prefill_is_the_float_cache_and_decoding_quantizes_whole_groups(tiny_mod
         token = int(mx.argmax(expected).item())
         if step == 0:  # 150 read: (150 - 16) // 32 = 4 whole groups quantized, 22 + 1 in float
             assert all((c.tokens.quantized, c.tokens.groups, c.tokens.tail) == (128, 4, 23) for c in quantized)
-    # 190 tokens: the window reached 16 + 32 at token 176, one more group went
-    assert all((c.tokens.quantized, c.tokens.tail, c.offset) == (160, 30, 190) for c in quantized)
+    # generated tokens stay in the float window (nothing is quantized while decoding)
+    assert all((c.tokens.quantized, c.tokens.tail, c.offset) == (128, 62, 190) for c in quantized)
     # a random tiny model's logits are small and close together: these bounds are loose (8 bits measured max 0.043,
     # mean 0.014; 4 bits 0.40 and 0.15), the real model's greedy outputs are pinned in the integration test
     mean, largest = np.mean(differences), max(differences)
@@ -147,16 +147,49 @@ def test_the_models_own_attention_is_refused_clearly(tiny_model):
         model(mx.array(_prompt(tokenizer, 10))[None], cache=stack)
 
 
-def test_quantized_rows_decode_alone(tiny_model):
-    model, tokenizer = tiny_model
-    stacks = []
-    for _ in range(2):
-        stack = KVCacheBuilder.for_model(model, _config())
+def _decode(model, stacks_and_logits, *, batch, refill=None):
+    from velox_cache.generation.decode import DecodeRow, decode_rows
+    from velox_cache.generation.sampling import TokenSampler
+
+    rows = []
+    for stack, logits in stacks_and_logits:
+        sampler = TokenSampler()
+        rows.append(DecodeRow(stack, sampler, sampler.logprobs(logits), 14))
+    with velox_cache.fast_attention(model):
+        decode_rows(model, rows, batch=batch)
+    return rows
+
+
+def _prefilled(model, tokenizer, lengths, config):
+    made = []
+    for length in lengths:
+        stack = KVCacheBuilder.for_model(model, config)
         with velox_cache.fast_attention(model):
-            prefill_phases(model, stack, document=_prompt(tokenizer, 40), chunk_size=64)
-        stacks.append(stack)
-    with pytest.raises(BatchUnsupported, match="kv_bits"):
-        batch_layers(stacks)
+            logits = prefill_phases(model, stack, document=_prompt(tokenizer, length), chunk_size=64)
+        made.append((stack, logits))
+    return made
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_full_rows_decode_the_same_tokens_alone_and_batched(tiny_model, bits):
+    model, tokenizer = tiny_model
+    lengths, config = [40, 150, 97], _config(bits, group=16, window=8)
+    together = _decode(model, _prefilled(model, tokenizer, lengths, config), batch=True)
+    alone = _decode(model, _prefilled(model, tokenizer, lengths, config), batch=False)
+    assert [row.batch_size for row in together] == [3, 3, 3]
+    assert [row.tokens for row in together] == [row.tokens for row in alone]
+    for a, b in zip(together, alone):  # written back as decoding alone left it (a batch's matmuls round otherwise)
+        for x, y in zip(a.caches, b.caches):
+            assert (x.offset, x.tokens.quantized, x.tokens.tail) == (y.offset, y.tokens.quantized, y.tokens.tail)
+            assert mx.allclose(x.tokens.held().keys, y.tokens.held().keys, atol=1e-4).item()
+
+
+def test_quantized_full_rows_batch_only_with_their_own_kind(tiny_model):
+    model, tokenizer = tiny_model
+    quantized = _prefilled(model, tokenizer, [40], _config())
+    plain = _prefilled(model, tokenizer, [40], KVCacheConfig(method="full"))
+    with pytest.raises(BatchUnsupported, match="own kind"):
+        batch_layers([quantized[0][0], plain[0][0]])
 
 
 def test_a_snapshot_decodes_on_its_own(tiny_model):
@@ -187,3 +220,36 @@ def test_generate_with_mlx_lm_decodes_at_kv_bits(tiny_model):
     assert quantized[0].tokens.quantized > 0
     agreement = np.mean([a == b for a, b in zip(expected, got)])
     assert agreement >= 0.75, (expected, got)
+
+
+def test_quantized_full_rows_join_a_running_batch(tiny_model):
+    """Continuous batching: rows given by ``refill`` join the batch, and every row decodes as it would alone."""
+    from velox_cache.generation.decode import DecodeRow, decode_rows
+    from velox_cache.generation.sampling import TokenSampler
+
+    model, tokenizer = tiny_model
+    config = _config(8, group=16, window=8)
+
+    def rows(lengths, max_tokens):
+        made = []
+        for (stack, logits), n in zip(_prefilled(model, tokenizer, lengths, config), max_tokens):
+            sampler = TokenSampler()
+            made.append(DecodeRow(stack, sampler, sampler.logprobs(logits), n))
+        return made
+
+    first, later = rows([60, 120], [5, 12]), rows([90, 33], [9, 12])
+    given = []
+
+    def refill(in_batch):
+        if given or len(in_batch) == 2:
+            return []
+        given.extend(later)
+        return later
+
+    with velox_cache.fast_attention(model):
+        decode_rows(model, first, refill=refill)
+    alone = rows([60, 120], [5, 12]) + rows([90, 33], [9, 12])
+    with velox_cache.fast_attention(model):
+        decode_rows(model, alone, batch=False)
+    assert [row.tokens for row in first + later] == [row.tokens for row in alone]
+    assert max(row.batch_size for row in first + later) >= 3, "the later rows joined the running batch"

@@ -1,0 +1,205 @@
+"""``QuantizedFullBatch``: one layer's full caches at ``kv_bits`` of B sequences, decoding together.
+
+Each row's prompt was quantized when its decoding started
+(``velox_cache.policies.full.QuantizedFullKVCache``); its generated tokens stay in
+its float window, so nothing is quantized while the batch decodes and a row
+holds, token for token, what decoding it alone would. The batch holds every
+row's codes, group numbers and scales right-padded to the widest row, and a
+float window ``[B, H, W, D]`` each row fills from its own count. One step is
+one write per layer (every row's token at its own next window slot) and one
+call of the fused attention over the codes (``attend_quantized``), padding
+masked by each row's counts.
+
+The layer protocol is ``BatchedLayer``'s (``velox_cache.generation.batching``):
+``extract``, ``join``, ``filter``, ``checkpoint`` and ``restore``, so
+``decode_rows`` drives either kind.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import _BaseCache
+
+from ..kernels.attend import attend_quantized
+from ..kernels.kv_codes import QuantizedKV
+from ..kernels.observe import is_routed
+from .unsupported import BatchUnsupported
+
+STEP = 256  # window growth, in tokens
+
+_CODE_PARTS = ("key_codes", "key_groups", "value_codes", "value_scales", "value_zeros")  # per quantized token
+_GROUP_PARTS = ("key_scales", "key_zeros")  # per key group
+
+
+def _pad(array: mx.array, width: int) -> mx.array:
+    """``array`` right-padded with zeros to ``width`` along axis 2."""
+    missing = width - array.shape[2]
+    if missing <= 0:
+        return array
+    return mx.concatenate([array, mx.zeros((*array.shape[:2], missing, *array.shape[3:]), array.dtype)], axis=2)
+
+
+class QuantizedFullBatch(_BaseCache):
+    """One layer's ``QuantizedFullKVCache`` rows decoding one token per row per call (see the module doc)."""
+
+    def __init__(self, caches: list, layer: int = 0):
+        self.layer = layer
+        for cache in caches:
+            if not getattr(cache, "decoding", False):
+                raise BatchUnsupported(f"layer {layer}: a quantized full cache joins a batch once decoding started")
+        views = [cache.tokens.held() for cache in caches]
+        kinds = {(v.bits, v.value_group, v.keys.shape[1], v.keys.shape[3], v.keys.dtype) for v in views}
+        if len(kinds) > 1:
+            raise BatchUnsupported(f"layer {layer}: quantized rows differ in bits, groups, heads or dtypes")
+        self.bits, self.value_group = views[0].bits, views[0].value_group
+        self.caches = list(caches)
+        self.quantized = np.array([v.quantized for v in views], np.int64)
+        self.tails = np.array([v.keys.shape[2] for v in views], np.int64)
+        self._offset = mx.array([cache.offset for cache in caches], mx.int32)
+        width, groups = int(self.quantized.max()), max(v.key_scales.shape[2] for v in views)
+        for name in _CODE_PARTS:
+            setattr(self, name, mx.concatenate([_pad(getattr(v, name), width) for v in views]))
+        for name in _GROUP_PARTS:
+            setattr(self, name, mx.concatenate([_pad(getattr(v, name), groups) for v in views]))
+        room = int(self.tails.max()) + STEP
+        self.keys = mx.concatenate([_pad(v.keys, room) for v in views])
+        self.values = mx.concatenate([_pad(v.values, room) for v in views])
+        self._attended = True
+
+    # ----- mlx-lm cache protocol ----------------------------------------------------------
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's position for its next token, ``int32 [B]``."""
+        return self._offset
+
+    @property
+    def scores(self) -> mx.array:
+        """Nothing is scored (a full cache ranks nothing): the offsets, for callers that evaluate every layer's."""
+        return self._offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Each row's new token at its own next window slot; returns every held token as one ``QuantizedKV``."""
+        if keys.shape[2] != 1 or keys.shape[0] != len(self.caches):
+            raise BatchUnsupported(
+                f"layer {self.layer}: a batch takes one token per row per call, got {keys.shape[0]} rows x {keys.shape[2]}"
+            )
+        if not is_routed():
+            raise BatchUnsupported("quantized rows need the model's attention routed through Velox")
+        if not self._attended:
+            raise BatchUnsupported(f"layer {self.layer}: the last call's attention did not reach Velox (not routable)")
+        self._attended = False
+        if int(self.tails.max()) + 1 > self.keys.shape[2]:
+            self.keys, self.values = _pad(self.keys, self.keys.shape[2] + STEP), _pad(self.values, self.values.shape[2] + STEP)
+        slot = mx.array(self.tails, mx.int32)[:, None, None, None]
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(slot, keys.shape), keys.astype(self.keys.dtype), axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(slot, values.shape),
+                                        values.astype(self.values.dtype), axis=2)
+        self.tails = self.tails + 1
+        self._offset = self._offset + 1
+        held = self._held()
+        return held, held
+
+    def _held(self) -> QuantizedKV:
+        window = int(self.tails.max())
+        codes = mx.arange(self.key_codes.shape[2], dtype=mx.int32)[None] < mx.array(self.quantized, mx.int32)[:, None]
+        floats = mx.arange(window, dtype=mx.int32)[None] < mx.array(self.tails, mx.int32)[:, None]
+        live = mx.broadcast_to(mx.concatenate([codes, floats], axis=1)[:, None], (len(self.caches), self.keys.shape[1],
+                                                                                  codes.shape[1] + window))
+        return QuantizedKV(self.key_codes, self.key_scales, self.key_zeros, self.key_groups, self.value_codes,
+                           self.value_scales, self.value_zeros, self.keys[:, :, :window], self.values[:, :, :window],
+                           self.bits, self.value_group, live)
+
+    def observe_attention(self, queries, keys, values, scale, mask, sinks=None) -> mx.array:
+        """The step's attention over every row's codes and window (padding masked)."""
+        if not isinstance(keys, QuantizedKV):
+            raise BatchUnsupported(f"layer {self.layer}: attention over keys other than the held ones cannot batch")
+        self._attended = True
+        return attend_quantized(queries, keys, scale=scale, sinks=sinks).output
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        if N != 1:
+            raise BatchUnsupported(f"layer {self.layer}: a batch takes one token per row per call, got {N}")
+        return None
+
+    @property
+    def state(self):
+        return [getattr(self, name) for name in (*_CODE_PARTS, *_GROUP_PARTS)] + [self.keys, self.values]
+
+    @state.setter
+    def state(self, value):
+        raise NotImplementedError("a QuantizedFullBatch cannot be restored from a saved state")
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        return False
+
+    def size(self) -> int:
+        return int((self.quantized + self.tails).max())
+
+    @property
+    def attended(self) -> bool:
+        return self._attended
+
+    @property
+    def rows(self) -> list:
+        """The rows' own caches, in batch order (as ``BatchedLayer.rows`` counts them)."""
+        return self.caches
+
+    # ----- rows in and out ---------------------------------------------------------------------
+
+    def extract(self, index: int) -> list:
+        """Row ``index``'s window back into its own cache (its codes never changed), as decoding alone leaves it."""
+        cache, tail = self.caches[index], int(self.tails[index])
+        tokens = cache.tokens
+        room = tokens.tail_keys.shape[2]
+        tokens.tail_keys = mx.contiguous(_pad(self.keys[index : index + 1, :, :tail], max(room, tail)))
+        tokens.tail_values = mx.contiguous(_pad(self.values[index : index + 1, :, :tail], max(room, tail)))
+        tokens.tail = tail
+        cache.offset = int(np.array(self._offset)[index])
+        return [tokens.tail_keys, tokens.tail_values]
+
+    def join_refusal(self, other) -> Optional[str]:
+        if not isinstance(other, QuantizedFullBatch):
+            return f"layer {self.layer}: quantized full rows batch only with their own kind"
+        mine = (self.bits, self.value_group, self.keys.shape[1], self.keys.shape[3], self.keys.dtype)
+        theirs = (other.bits, other.value_group, other.keys.shape[1], other.keys.shape[3], other.keys.dtype)
+        return None if mine == theirs else f"layer {self.layer}: quantized rows differ: {mine} and {theirs}"
+
+    def join(self, other: "QuantizedFullBatch") -> None:
+        """``other``'s rows join after this batch's own (continuous batching), every array padded to the wider."""
+        refusal = self.join_refusal(other)
+        if refusal is not None:
+            raise BatchUnsupported(refusal)
+        for names, axis_width in ((_CODE_PARTS, max(self.key_codes.shape[2], other.key_codes.shape[2])),
+                                  (_GROUP_PARTS, max(self.key_scales.shape[2], other.key_scales.shape[2])),
+                                  (("keys", "values"), max(self.keys.shape[2], other.keys.shape[2]))):
+            for name in names:
+                setattr(self, name, mx.concatenate([_pad(getattr(self, name), axis_width),
+                                                    _pad(getattr(other, name), axis_width)]))
+        self.caches += other.caches
+        self.quantized = np.concatenate([self.quantized, other.quantized])
+        self.tails = np.concatenate([self.tails, other.tails])
+        self._offset = mx.concatenate([self._offset, other._offset])
+
+    def filter(self, indices: list[int]) -> None:
+        """Only rows ``indices`` stay (finished rows leave; ``extract`` them first)."""
+        take = mx.array(indices, mx.int32)
+        for name in (*_CODE_PARTS, *_GROUP_PARTS, "keys", "values"):
+            setattr(self, name, getattr(self, name)[take])
+        self.caches = [self.caches[i] for i in indices]
+        self.quantized, self.tails = self.quantized[indices], self.tails[indices]
+        self._offset = self._offset[take]
+
+    def checkpoint(self) -> tuple:
+        """What ``restore`` needs to undo the calls made after it (handles and counts; nothing copied)."""
+        return self.keys, self.values, self._offset, self.tails.copy(), self._attended
+
+    def restore(self, checkpoint: tuple) -> None:
+        self.keys, self.values, self._offset, tails, self._attended = checkpoint
+        self.tails = tails.copy()
