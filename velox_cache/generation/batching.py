@@ -50,9 +50,8 @@ from ..cache.base import EvictingKVCache
 from ..cache.signals import Recency, Signal, fold_heads
 from ..cache.slots import GROWTH_STEP, decode_capacity, protect, recent_limit
 from ..kernels.attend import attend_and_score
-from ..kernels.observe import is_routed
 from .quantized_batching import QuantizedFullBatch
-from .unsupported import BatchUnsupported
+from .unsupported import BatchUnsupported, check_batched_call
 
 FULL_STEP = KVCache.step  # mlx-lm's KVCache grows by this many slots
 
@@ -291,17 +290,7 @@ class BatchedLayer(_BaseCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Put each row's one new token in its slot; returns the whole buffers (the layer's mask covers the padding)."""
-        if keys.shape[2] != 1 or keys.shape[0] != len(self.rows):
-            raise BatchUnsupported(
-                f"layer {self.layer}: a batch takes one token per row per call, got {keys.shape[0]} rows x {keys.shape[2]}"
-            )
-        if not is_routed():
-            raise BatchUnsupported(
-                "batched decoding needs the model's attention routed through Velox: run it inside "
-                "`velox_cache.observe(model)` or `velox_cache.fast_attention(model)`"
-            )
-        if not self._attended:
-            raise BatchUnsupported(f"layer {self.layer}: the last call's attention did not reach Velox (not routable)")
+        check_batched_call(self.layer, keys, len(self.rows), self._attended)
         keys, values = keys.astype(self.keys.dtype), values.astype(self.values.dtype)
         counts = self.counts
         at_budget = counts.at_budget()

@@ -25,8 +25,7 @@ from mlx_lm.models.cache import _BaseCache
 
 from ..kernels.attend import attend_quantized
 from ..kernels.kv_codes import QuantizedKV
-from ..kernels.observe import is_routed
-from .unsupported import BatchUnsupported
+from .unsupported import BatchUnsupported, check_batched_call
 
 STEP = 256  # window growth, in tokens
 
@@ -83,14 +82,7 @@ class QuantizedFullBatch(_BaseCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Each row's new token at its own next window slot; returns every held token as one ``QuantizedKV``."""
-        if keys.shape[2] != 1 or keys.shape[0] != len(self.caches):
-            raise BatchUnsupported(
-                f"layer {self.layer}: a batch takes one token per row per call, got {keys.shape[0]} rows x {keys.shape[2]}"
-            )
-        if not is_routed():
-            raise BatchUnsupported("quantized rows need the model's attention routed through Velox")
-        if not self._attended:
-            raise BatchUnsupported(f"layer {self.layer}: the last call's attention did not reach Velox (not routable)")
+        check_batched_call(self.layer, keys, len(self.caches), self._attended)
         self._attended = False
         if int(self.tails.max()) + 1 > self.keys.shape[2]:
             self.keys, self.values = _pad(self.keys, self.keys.shape[2] + STEP), _pad(self.values, self.values.shape[2] + STEP)
