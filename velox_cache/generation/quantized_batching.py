@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import _BaseCache
 
+from ..cache.quantized_tokens import STEP as TOKENS_STEP
 from ..kernels.attend import attend_quantized
 from ..kernels.kv_codes import QuantizedKV
 from .unsupported import BatchUnsupported, check_batched_call
@@ -149,9 +150,10 @@ class QuantizedFullBatch(_BaseCache):
         """Row ``index``'s window back into its own cache (its codes never changed), as decoding alone leaves it."""
         cache, tail = self.caches[index], int(self.tails[index])
         tokens = cache.tokens
-        room = tokens.tail_keys.shape[2]
-        tokens.tail_keys = mx.contiguous(_pad(self.keys[index : index + 1, :, :tail], max(room, tail)))
-        tokens.tail_values = mx.contiguous(_pad(self.values[index : index + 1, :, :tail], max(room, tail)))
+        room = tokens.tail_keys.shape[2]  # alone, the window grows to whole steps of STEP when it fills
+        room = room if tail <= room else -(-tail // TOKENS_STEP) * TOKENS_STEP
+        tokens.tail_keys = mx.contiguous(_pad(self.keys[index : index + 1, :, :tail], room))
+        tokens.tail_values = mx.contiguous(_pad(self.values[index : index + 1, :, :tail], room))
         tokens.tail = tail
         cache.offset = int(np.array(self._offset)[index])
         return [tokens.tail_keys, tokens.tail_values]

@@ -181,6 +181,7 @@ def test_quantized_full_rows_decode_the_same_tokens_alone_and_batched(tiny_model
     for a, b in zip(together, alone):  # written back as decoding alone left it (a batch's matmuls round otherwise)
         for x, y in zip(a.caches, b.caches):
             assert (x.offset, x.tokens.quantized, x.tokens.tail) == (y.offset, y.tokens.quantized, y.tokens.tail)
+            assert x.nbytes == y.nbytes, "the same buffers as decoding alone leaves"
             assert mx.allclose(x.tokens.held().keys, y.tokens.held().keys, atol=1e-4).item()
 
 
