@@ -692,6 +692,11 @@ class Task {
       few_values_codes<ROWS>(k0, n_block, dp, alpha);
       return;
     }
+    if (quantized >= 0 && k0 + n_block <= quantized && code_bytes * 2 == D && D % (2 * LANES) == 0 &&
+        group % (2 * LANES) == 0) {
+      few_values_nibbles<ROWS>(k0, n_block, dp, alpha);
+      return;
+    }
     load_values(k0, n_block);
     few_values<ROWS>(k0, n_block, dp, alpha);
   }
@@ -789,6 +794,51 @@ class Task {
       for (int64_t g = 0; g < groups; ++g) {
         const Floats share = splat(zero_share[m * groups + g]);
         for (int64_t d = g * group; d < (g + 1) * group; d += LANES) store(o + m * dp + d, load(o + m * dp + d) + share);
+      }
+  }
+
+  // few_values_codes for 4-bit values: a byte holds features 2i (low nibble) and 2i + 1 (high), so each vector of
+  // bytes feeds an accumulator of even features and one of odd ones, interleaved into the output at the end.
+  template <int ROWS>
+  void few_values_nibbles(int64_t k0, int64_t n, int64_t dp, const float* alpha) {
+    float* o = w_.ot.data();
+    const float* p = w_.st.data();
+    const int64_t group = p_.quantized.value_group, groups = D / group;
+    for (int m = 0; m < ROWS; ++m)
+      for (int64_t d = 0; d < dp; d += LANES) store(o + m * dp + d, load(o + m * dp + d) * alpha[m]);
+    for (int64_t i0 = 0; i0 < D / 2; i0 += LANES) {  // bytes i0 .. i0 + LANES: features 2 * i0 .. 2 * i0 + 2 * LANES
+      const int64_t g = 2 * i0 / group;
+      Floats even[ROWS], odd[ROWS];
+      for (int m = 0; m < ROWS; ++m) even[m] = odd[m] = Floats{};
+      for (int64_t j = k0; j < k0 + n; ++j) {
+        const float scale = value_scales[j * value_scale_stride + g];
+        Floats low, high;
+        nibbles_to_floats(value_codes + j * value_code_stride + i0, low, high);
+        for (int m = 0; m < ROWS; ++m) {
+          const Floats weight = splat(p[m * KEY_BLOCK + (j - k0)] * scale);
+          even[m] += weight * low;
+          odd[m] += weight * high;
+        }
+      }
+      for (int m = 0; m < ROWS; ++m)
+        for (int k = 0; k < LANES; ++k) {
+          o[m * dp + 2 * (i0 + k)] += even[m][k];
+          o[m * dp + 2 * (i0 + k) + 1] += odd[m][k];
+        }
+    }
+    float zero_share[ROWS * 8];  // each row's sum of S * zero per value group (at most 8 groups take this path)
+    std::vector<float> wide;
+    float* share = groups <= 8 ? zero_share : (wide.assign(ROWS * groups, 0.0f), wide.data());
+    std::fill(share, share + ROWS * groups, 0.0f);
+    for (int64_t j = k0; j < k0 + n; ++j)
+      for (int64_t g = 0; g < groups; ++g) {
+        const float zero = value_zeros[j * value_scale_stride + g];
+        for (int m = 0; m < ROWS; ++m) share[m * groups + g] += p[m * KEY_BLOCK + (j - k0)] * zero;
+      }
+    for (int m = 0; m < ROWS; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        const Floats add = splat(share[m * groups + g]);
+        for (int64_t d = g * group; d < (g + 1) * group; d += LANES) store(o + m * dp + d, load(o + m * dp + d) + add);
       }
   }
 
