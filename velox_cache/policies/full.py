@@ -146,6 +146,13 @@ class QuantizedFullKVCache(FullKVCache):
     def is_trimmable(self) -> bool:
         return False
 
+    @classmethod
+    def merge(cls, caches):
+        raise TypeError(
+            f"{cls.__name__} cannot be merged into an mlx-lm batch cache (it holds codes, not keys): decode such rows "
+            "with velox_cache's decode_rows or batch_generate, which batch them as QuantizedFullBatch"
+        )
+
     def empty(self) -> bool:
         return self.tokens.empty
 

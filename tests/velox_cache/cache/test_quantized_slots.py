@@ -195,3 +195,33 @@ def test_plain_mlx_lm_generate_quantizes_when_its_first_token_comes(tiny_model):
     assert all(c.slots.quantized and c.tokens_kept <= BUDGET for c in stack)
     assert all(c.slots.groups >= 1 for c in stack), [c.slots.groups for c in stack]
     assert all(c.offset == 160 + 30 for c in stack), [c.offset for c in stack]  # mlx-lm feeds the last token too
+
+
+def _arrays_held(obj, seen=None) -> list:
+    """Every ``mx.array`` reachable from ``obj``'s attributes (through the per-sequence parts it owns)."""
+    found = []
+    for value in vars(obj).values():
+        if isinstance(value, mx.array):
+            found.append(value)
+        elif type(value).__module__.startswith("velox_cache.cache"):
+            found += _arrays_held(value)
+    return found
+
+
+@pytest.mark.parametrize("fields", [{"method": "h2o"}, {"method": "pyramidkv"}, {"method": "full"}],
+                         ids=["h2o", "pyramidkv", "full"])
+def test_every_array_a_quantized_cache_keeps_is_in_its_state(tiny_model, fields):
+    """ARCHITECTURE.md: what a cache keeps is reachable from ``state`` (mlx-lm evaluates it after each chunk)."""
+    model, tokenizer = tiny_model
+    stack = _decoded(model, tokenizer, fields, steps=25)
+    for cache in stack:
+        state = [id(a) for a in cache.state]
+        held = _arrays_held(cache.slots if hasattr(cache, "slots") else cache.tokens)
+        assert held and all(id(a) in state for a in held)
+
+
+def test_a_quantized_full_cache_refuses_mlx_lm_merging():
+    from velox_cache.policies import QuantizedFullKVCache
+
+    with pytest.raises(TypeError, match="cannot be merged"):
+        QuantizedFullKVCache.merge([QuantizedFullKVCache(KVCacheConfig(method="full", kv_bits=8))])
