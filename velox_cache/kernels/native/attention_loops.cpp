@@ -769,11 +769,8 @@ class Task {
   void few_values_codes(int64_t k0, int64_t n, int64_t dp, const float* alpha) {
     float* o = w_.ot.data();
     const float* p = w_.st.data();
-    const int64_t group = p_.quantized.value_group, groups = D / group;
-    for (int m = 0; m < ROWS; ++m)
-      for (int64_t d = 0; d < dp; d += LANES) store(o + m * dp + d, load(o + m * dp + d) * alpha[m]);
-    w_.query_scales.assign(ROWS * groups, 0.0f);  // each row's sum of S * zero per value group
-    float* zero_share = w_.query_scales.data();
+    const int64_t group = p_.quantized.value_group;
+    scale_rows<ROWS>(dp, alpha);
     for (int64_t d0 = 0; d0 < D; d0 += LANES) {
       const int64_t g = d0 / group;
       Floats acc[ROWS];
@@ -785,15 +782,35 @@ class Task {
       }
       for (int m = 0; m < ROWS; ++m) store(o + m * dp + d0, acc[m]);
     }
+    add_zero_shares<ROWS>(k0, n, dp);
+  }
+
+  // O[m] *= alpha[m]: the running output rescaled to the block's new row maxima.
+  template <int ROWS>
+  void scale_rows(int64_t dp, const float* alpha) {
+    float* o = w_.ot.data();
+    for (int m = 0; m < ROWS; ++m)
+      for (int64_t d = 0; d < dp; d += LANES) store(o + m * dp + d, load(o + m * dp + d) * alpha[m]);
+  }
+
+  // O[m] += sum_j S[m][j] * zero_j per value group, over the quantized values [k0, k0 + n): the zeros' share of
+  // S * (code * scale + zero), added once per group of features.
+  template <int ROWS>
+  void add_zero_shares(int64_t k0, int64_t n, int64_t dp) {
+    float* o = w_.ot.data();
+    const float* p = w_.st.data();
+    const int64_t group = p_.quantized.value_group, groups = D / group;
+    w_.query_scales.assign(ROWS * groups, 0.0f);  // each row's sum of S * zero per value group
+    float* share = w_.query_scales.data();
     for (int64_t j = k0; j < k0 + n; ++j)
       for (int64_t g = 0; g < groups; ++g) {
         const float zero = value_zeros[j * value_scale_stride + g];
-        for (int m = 0; m < ROWS; ++m) zero_share[m * groups + g] += p[m * KEY_BLOCK + (j - k0)] * zero;
+        for (int m = 0; m < ROWS; ++m) share[m * groups + g] += p[m * KEY_BLOCK + (j - k0)] * zero;
       }
     for (int m = 0; m < ROWS; ++m)
       for (int64_t g = 0; g < groups; ++g) {
-        const Floats share = splat(zero_share[m * groups + g]);
-        for (int64_t d = g * group; d < (g + 1) * group; d += LANES) store(o + m * dp + d, load(o + m * dp + d) + share);
+        const Floats add = splat(share[m * groups + g]);
+        for (int64_t d = g * group; d < (g + 1) * group; d += LANES) store(o + m * dp + d, load(o + m * dp + d) + add);
       }
   }
 
@@ -803,9 +820,8 @@ class Task {
   void few_values_nibbles(int64_t k0, int64_t n, int64_t dp, const float* alpha) {
     float* o = w_.ot.data();
     const float* p = w_.st.data();
-    const int64_t group = p_.quantized.value_group, groups = D / group;
-    for (int m = 0; m < ROWS; ++m)
-      for (int64_t d = 0; d < dp; d += LANES) store(o + m * dp + d, load(o + m * dp + d) * alpha[m]);
+    const int64_t group = p_.quantized.value_group;
+    scale_rows<ROWS>(dp, alpha);
     for (int64_t i0 = 0; i0 < D / 2; i0 += LANES) {  // bytes i0 .. i0 + LANES: features 2 * i0 .. 2 * i0 + 2 * LANES
       const int64_t g = 2 * i0 / group;
       Floats even[ROWS], odd[ROWS];
@@ -826,20 +842,7 @@ class Task {
           o[m * dp + 2 * (i0 + k) + 1] += odd[m][k];
         }
     }
-    float zero_share[ROWS * 8];  // each row's sum of S * zero per value group (at most 8 groups take this path)
-    std::vector<float> wide;
-    float* share = groups <= 8 ? zero_share : (wide.assign(ROWS * groups, 0.0f), wide.data());
-    std::fill(share, share + ROWS * groups, 0.0f);
-    for (int64_t j = k0; j < k0 + n; ++j)
-      for (int64_t g = 0; g < groups; ++g) {
-        const float zero = value_zeros[j * value_scale_stride + g];
-        for (int m = 0; m < ROWS; ++m) share[m * groups + g] += p[m * KEY_BLOCK + (j - k0)] * zero;
-      }
-    for (int m = 0; m < ROWS; ++m)
-      for (int64_t g = 0; g < groups; ++g) {
-        const Floats add = splat(share[m * groups + g]);
-        for (int64_t d = g * group; d < (g + 1) * group; d += LANES) store(o + m * dp + d, load(o + m * dp + d) + add);
-      }
+    add_zero_shares<ROWS>(k0, n, dp);
   }
 
   // S[m][0:n_block] = the block's scores (dot products, two keys at a time), masked.
