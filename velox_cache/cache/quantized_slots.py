@@ -30,7 +30,6 @@ Uniform heads only; decodes alone (batched decoding refuses it).
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import mlx.core as mx
@@ -39,9 +38,8 @@ import numpy as np
 from ..kernels import kv_codes
 from ..kernels.attend import AttentionResult, attend_quantized
 from ..kernels.kv_codes import QuantizedKV
+from .quantized_tokens import GROUP_STEP, grown, slot_bytes, written
 from .slots import TokenSlots, protect, recent_limit
-
-GROUP_STEP = 16  # key-scale buffer growth, in groups
 
 
 class QuantizedTokenSlots(TokenSlots):
@@ -93,8 +91,8 @@ class QuantizedTokenSlots(TokenSlots):
             [mx.ones((batch, heads, self.stored), mx.bool_), mx.zeros((batch, heads, self.group - self.tail), mx.bool_)],
             axis=2,
         )
-        self.keys = _window(keys[:, :, n:], self.group)
-        self.values = _window(values[:, :, n:], self.group)
+        self.keys = grown(keys[:, :, n:], None, self.group - self.tail)  # the window: a group's slots
+        self.values = grown(values[:, :, n:], None, self.group - self.tail)
         scores, positions = self.held_scores(), self.held_positions()
         self.scores = mx.concatenate([scores, mx.zeros((batch, heads, self.group - self.tail))], axis=2)
         self.positions = mx.concatenate(
@@ -150,10 +148,10 @@ class QuantizedTokenSlots(TokenSlots):
         if not self.quantized:
             per_slot = (self.keys.nbytes + self.values.nbytes) // max(1, self.keys.shape[2])
             return per_slot * self.stored
-        per_token = sum(_per_slot(a) for a in (self.key_codes, self.key_groups, self.value_codes,
+        per_token = sum(slot_bytes(a) for a in (self.key_codes, self.key_groups, self.value_codes,
                                                self.value_scales, self.value_zeros))
-        per_group = _per_slot(self.key_scales) + _per_slot(self.key_zeros)
-        per_float = _per_slot(self.keys) + _per_slot(self.values)
+        per_group = slot_bytes(self.key_scales) + slot_bytes(self.key_zeros)
+        per_float = slot_bytes(self.keys) + slot_bytes(self.values)
         return per_token * self.quantized_count + per_group * self.groups + per_float * self.tail
 
     @property
@@ -203,9 +201,9 @@ class QuantizedTokenSlots(TokenSlots):
         start, stop = self.tail, self.tail + n
         if stop > self.keys.shape[2]:  # a multi-token call: the window grows by whole groups
             extra = -(-(stop - self.keys.shape[2]) // self.group) * self.group
-            self.keys, self.values = _grown(self.keys, extra), _grown(self.values, extra)
-            self.scores, self.positions = _grown(self.scores, extra), _grown(self.positions, extra)
-            self.live = _grown(self.live, extra)
+            self.keys, self.values = grown(self.keys, None, extra), grown(self.values, None, extra)
+            self.scores, self.positions = grown(self.scores, None, extra), grown(self.positions, None, extra)
+            self.live = grown(self.live, None, extra)
         q = self.quantized_count
         self.keys[:, :, start:stop] = keys
         self.values[:, :, start:stop] = values
@@ -221,8 +219,8 @@ class QuantizedTokenSlots(TokenSlots):
         window_keys, window_values = self.keys[:, :, :g], self.values[:, :, :g]
         key_codes, key_scales, key_zeros = kv_codes.quantize_keys(window_keys, g, self.bits)
         value_codes, value_scales, value_zeros = kv_codes.quantize_values(window_values, self.value_group, self.bits)
-        self.key_scales = _written(self.key_scales, key_scales, self.groups)
-        self.key_zeros = _written(self.key_zeros, key_zeros, self.groups)
+        self.key_scales = written(self.key_scales, key_scales, self.groups, GROUP_STEP)
+        self.key_zeros = written(self.key_zeros, key_zeros, self.groups, GROUP_STEP)
         new = {
             "key_codes": key_codes, "key_groups": mx.full((batch, heads, g), self.groups, mx.int32),
             "value_codes": value_codes, "value_scales": value_scales, "value_zeros": value_zeros,
@@ -260,9 +258,9 @@ class QuantizedTokenSlots(TokenSlots):
         self._forget_dead_groups(region)
         self.tail -= g
         self.stored = self.quantized_count + self.tail
-        self.keys, self.values = _grown(rest_keys, g), _grown(rest_values, g)  # the window keeps its size
+        self.keys, self.values = grown(rest_keys, None, g), grown(rest_values, None, g)  # the window keeps its size
         for name in ("scores", "positions", "live"):
-            setattr(self, name, _grown(mx.concatenate([region[name], rest[name]], axis=2), g))
+            setattr(self, name, grown(mx.concatenate([region[name], rest[name]], axis=2), None, g))
 
     def _forget_dead_groups(self, region: dict) -> None:
         """Drop the key scales of groups no held token uses any more, renumbering the others (order kept)."""
@@ -306,29 +304,3 @@ class QuantizedTokenSlots(TokenSlots):
         if self.quantized or getattr(other, "quantized", False):
             self._refuse("adopt")
         super().adopt(other)
-
-
-def _grown(array: mx.array, extra: int) -> mx.array:
-    """``array`` with ``extra`` zero (False) slots after it on axis 2."""
-    return mx.concatenate([array, mx.zeros((*array.shape[:2], extra, *array.shape[3:]), array.dtype)], axis=2)
-
-
-def _window(tokens: mx.array, group: int) -> mx.array:
-    """A float window buffer of ``group`` slots holding ``tokens`` first (spare slots zero)."""
-    spare = group - tokens.shape[2]
-    return mx.concatenate([tokens, mx.zeros((*tokens.shape[:2], spare, tokens.shape[3]), tokens.dtype)], axis=2)
-
-
-def _per_slot(array: mx.array) -> int:
-    """Bytes of one slot of ``array``'s axis 2 (its token or group axis)."""
-    return array.itemsize * math.prod(size for axis, size in enumerate(array.shape) if axis != 2)
-
-
-def _written(buffer: mx.array, new: mx.array, start: int) -> mx.array:
-    """``buffer`` with ``new`` at ``start`` along axis 2, grown by ``GROUP_STEP`` slots when it has no room."""
-    stop = start + new.shape[2]
-    if stop <= buffer.shape[2]:
-        buffer[:, :, start:stop] = new
-        return buffer
-    spare = mx.zeros((*buffer.shape[:2], GROUP_STEP, *buffer.shape[3:]), buffer.dtype)
-    return _written(mx.concatenate([buffer[:, :, :start], spare], axis=2), new, start)

@@ -84,8 +84,8 @@ class QuantizedTokens:
         end = self.tail + n
         if end > self.tail_keys.shape[2]:
             spare = -end % STEP
-            self.tail_keys = _grown(self.tail_keys[:, :, : self.tail], keys, spare)
-            self.tail_values = _grown(self.tail_values[:, :, : self.tail], values, spare)
+            self.tail_keys = grown(self.tail_keys[:, :, : self.tail], keys, spare)
+            self.tail_values = grown(self.tail_values[:, :, : self.tail], values, spare)
         else:
             self.tail_keys[:, :, self.tail : end] = keys
             self.tail_values[:, :, self.tail : end] = values
@@ -104,18 +104,18 @@ class QuantizedTokens:
         numbers = mx.arange(self.groups, self.groups + groups, dtype=mx.int32)
         key_groups = mx.broadcast_to(mx.repeat(numbers, self.group)[None, None], (batch, heads, n))
         start, stop = self.quantized, self.quantized + n
-        self.key_codes = _written(self.key_codes, key_codes, start, STEP)
-        self.key_groups = _written(self.key_groups, key_groups, start, STEP)
-        self.value_codes = _written(self.value_codes, value_codes, start, STEP)
-        self.value_scales = _written(self.value_scales, value_scales, start, STEP)
-        self.value_zeros = _written(self.value_zeros, value_zeros, start, STEP)
-        self.key_scales = _written(self.key_scales, key_scales, self.groups, GROUP_STEP)
-        self.key_zeros = _written(self.key_zeros, key_zeros, self.groups, GROUP_STEP)
+        self.key_codes = written(self.key_codes, key_codes, start, STEP)
+        self.key_groups = written(self.key_groups, key_groups, start, STEP)
+        self.value_codes = written(self.value_codes, value_codes, start, STEP)
+        self.value_scales = written(self.value_scales, value_scales, start, STEP)
+        self.value_zeros = written(self.value_zeros, value_zeros, start, STEP)
+        self.key_scales = written(self.key_scales, key_scales, self.groups, GROUP_STEP)
+        self.key_zeros = written(self.key_zeros, key_zeros, self.groups, GROUP_STEP)
         self.quantized, self.groups = stop, self.groups + groups
         rest = self.tail - n
         room = max(rest, self.window + self.group)  # the window then fills to its next group without growing
-        self.tail_keys = _grown(self.tail_keys[:, :, n : self.tail], None, room - rest)
-        self.tail_values = _grown(self.tail_values[:, :, n : self.tail], None, room - rest)
+        self.tail_keys = grown(self.tail_keys[:, :, n : self.tail], None, room - rest)
+        self.tail_values = grown(self.tail_values[:, :, n : self.tail], None, room - rest)
         self.tail = rest
 
     def mark(self) -> TokensMark:
@@ -177,15 +177,20 @@ class QuantizedTokens:
         their key groups, and the float window's keys and values."""
         if self.empty:
             return 0
-        per_token = sum(_per_slot(a) for a in (self.key_codes, self.key_groups, self.value_codes,
-                                               self.value_scales, self.value_zeros) if a is not None)
-        per_group = sum(_per_slot(a) for a in (self.key_scales, self.key_zeros) if a is not None)
-        per_float = _per_slot(self.tail_keys) + _per_slot(self.tail_values)
-        return per_token * self.quantized + per_group * self.groups + per_float * self.tail
+        return self.code_bytes_per_token() * self.quantized + self._group_and_float_bytes()
+
+    def code_bytes_per_token(self) -> int:
+        """Bytes one quantized token holds (codes, group number, value scales), all heads and rows."""
+        return sum(slot_bytes(a) for a in (self.key_codes, self.key_groups, self.value_codes,
+                                           self.value_scales, self.value_zeros) if a is not None)
+
+    def _group_and_float_bytes(self) -> int:
+        per_group = sum(slot_bytes(a) for a in (self.key_scales, self.key_zeros) if a is not None)
+        return per_group * self.groups + self.float_bytes_per_token() * self.tail
 
     def float_bytes_per_token(self) -> int:
         """Bytes one token's keys and values take in float (all heads and rows), at the window's dtype."""
-        return 0 if self.empty else _per_slot(self.tail_keys) + _per_slot(self.tail_values)
+        return 0 if self.empty else slot_bytes(self.tail_keys) + slot_bytes(self.tail_values)
 
     def _start(self, keys: mx.array, values: mx.array) -> None:
         dim = keys.shape[-1]
@@ -199,12 +204,15 @@ class QuantizedTokens:
         self.tail_values = mx.zeros((batch, heads, 0, values.shape[-1]), values.dtype)
 
 
-def _per_slot(array: mx.array) -> int:
+# Buffer helpers shared with ``velox_cache.cache.quantized_slots`` and ``velox_cache.generation.quantized_batching``.
+
+
+def slot_bytes(array: mx.array) -> int:
     """Bytes of one slot of ``array``'s axis 2 (its token or group axis)."""
     return array.itemsize * math.prod(size for axis, size in enumerate(array.shape) if axis != 2)
 
 
-def _grown(kept: mx.array, new: Optional[mx.array], spare: int) -> mx.array:
+def grown(kept: mx.array, new: Optional[mx.array], spare: int) -> mx.array:
     """``kept``, then ``new`` (if any), then ``spare`` zero slots, along axis 2 (a fresh array)."""
     parts = [kept] + ([new] if new is not None else [])
     if spare:
@@ -212,11 +220,11 @@ def _grown(kept: mx.array, new: Optional[mx.array], spare: int) -> mx.array:
     return mx.concatenate(parts, axis=2) if len(parts) > 1 else mx.array(parts[0])
 
 
-def _written(buffer: Optional[mx.array], new: mx.array, start: int, step: int) -> mx.array:
+def written(buffer: Optional[mx.array], new: mx.array, start: int, step: int) -> mx.array:
     """``buffer`` with ``new`` written at ``start`` along axis 2: in place when it has room, else grown by ``step``s."""
     stop = start + new.shape[2]
     if buffer is not None and stop <= buffer.shape[2]:
         buffer[:, :, start:stop] = new
         return buffer
     kept = buffer[:, :, :start] if buffer is not None else new[:, :, :0]
-    return _grown(kept, new.astype(new.dtype), -stop % step)
+    return grown(kept, new.astype(new.dtype), -stop % step)

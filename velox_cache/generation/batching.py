@@ -625,10 +625,7 @@ def _final_widths(cache, new: int) -> list[tuple[int, int]]:
     if not _quantized_full(cache):
         return [_final_width(cache, new)]
     tokens = cache.tokens
-    per_code = sum(getattr(tokens, name).nbytes // max(1, getattr(tokens, name).shape[2])
-                   for name in ("key_codes", "key_groups", "value_codes", "value_scales", "value_zeros")
-                   if getattr(tokens, name) is not None)
-    return [(tokens.quantized, per_code), (tokens.tail + new, tokens.float_bytes_per_token())]
+    return [(tokens.quantized, tokens.code_bytes_per_token()), (tokens.tail + new, tokens.float_bytes_per_token())]
 
 
 def _final_width(cache, new: int) -> tuple[int, int]:

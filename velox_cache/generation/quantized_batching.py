@@ -24,6 +24,7 @@ import numpy as np
 from mlx_lm.models.cache import _BaseCache
 
 from ..cache.quantized_tokens import STEP as TOKENS_STEP
+from ..cache.quantized_tokens import grown
 from ..kernels.attend import attend_quantized
 from ..kernels.kv_codes import QuantizedKV
 from .unsupported import BatchUnsupported, check_batched_call
@@ -36,10 +37,7 @@ _GROUP_PARTS = ("key_scales", "key_zeros")  # per key group
 
 def _pad(array: mx.array, width: int) -> mx.array:
     """``array`` right-padded with zeros to ``width`` along axis 2."""
-    missing = width - array.shape[2]
-    if missing <= 0:
-        return array
-    return mx.concatenate([array, mx.zeros((*array.shape[:2], missing, *array.shape[3:]), array.dtype)], axis=2)
+    return array if array.shape[2] >= width else grown(array, None, width - array.shape[2])
 
 
 class QuantizedFullBatch(_BaseCache):
