@@ -43,7 +43,7 @@ KINDS = {  # name: (prompt tokens, config)
     "pyramidkv-512": (2048, KVCacheConfig(method="pyramidkv", budget=512, scoring="observed")),
     "pyramidkv-128-adaptive": (2048, KVCacheConfig(method="pyramidkv", budget=128, scoring="observed", head_budgets="adaptive")),
     "pyramidkv-512-adaptive": (2048, KVCacheConfig(method="pyramidkv", budget=512, scoring="observed", head_budgets="adaptive")),
-    # kept tokens quantized (kv_bits): such rows decode alone so far, one after another at any B
+    # kept tokens quantized (kv_bits): each kind batches in a layer of its own (QuantizedFullBatch, QuantizedSlotsBatch)
     "full-1k-kv8": (1024, KVCacheConfig(method="full", kv_bits=8)),
     "full-4k-kv8": (4096, KVCacheConfig(method="full", kv_bits=8)),
     "pyramidkv-128-kv8": (2048, KVCacheConfig(method="pyramidkv", budget=128, scoring="observed", kv_bits=8)),

@@ -144,8 +144,6 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
         slots, progress = self.slots, self.progress
         if slots.empty or progress.prefilling or progress.in_probe:
             return "a cache still in prefill (or in a probe) cannot decode in a batch"
-        if getattr(slots, "quantized", False):
-            return "a cache holding quantized tokens (kv_bits) decodes alone"
         if self.awaiting_observation:
             return "the cache's last call is still waiting for its attention"
         if not self._evicting_now():

@@ -25,7 +25,7 @@ scales stay while any of its tokens is held (then they go). A multi-token
 call while decoding (teacher forcing) widens the window for its tokens and
 is attended whole; the lowest-ranked tokens then become holes.
 
-Uniform heads only; decodes alone (batched decoding refuses it).
+Uniform heads only; decodes alone or in a batch of its kind (``velox_cache.generation.quantized_slots_batch``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import numpy as np
 from ..kernels import kv_codes
 from ..kernels.attend import AttentionResult, attend_quantized
 from ..kernels.kv_codes import QuantizedKV
+from .quantized_holes import SLOT_PARTS, forget_dead_groups, quantized_group, write_into_holes
 from .quantized_tokens import GROUP_STEP, grown, slot_bytes, written
 from .slots import TokenSlots, protect, recent_limit
 
@@ -161,6 +162,16 @@ class QuantizedTokenSlots(TokenSlots):
             return self.keys.nbytes + self.values.nbytes
         return sum(a.nbytes for a in self.arrays[:-2])
 
+    def batch_parts(self, budget: int) -> list[tuple[int, int]]:
+        """``[(slots, bytes of one slot across heads)]`` a decoding batch holds for this layer: its quantized region
+        (the group scales shared out per slot), at most ``budget`` live tokens plus two groups of holes (a bound: a
+        flush fills holes before it grows the region), then its float window."""
+        meta = sum(slot_bytes(a) for a in (self.scores, self.positions, self.live))
+        per_code = sum(slot_bytes(getattr(self, name)) for name in SLOT_PARTS)
+        per_code += -(-(slot_bytes(self.key_scales) + slot_bytes(self.key_zeros)) // self.group) + meta
+        per_float = slot_bytes(self.keys) + slot_bytes(self.values) + meta
+        return [(max(self.quantized_count, budget + 2 * self.group), per_code), (self.keys.shape[2], per_float)]
+
     # ----- eviction and decode tokens ----------------------------------------------------------
 
     def protected_ranking(self, budget: int) -> mx.array:
@@ -214,66 +225,32 @@ class QuantizedTokenSlots(TokenSlots):
 
     def _flush(self) -> None:
         """The window's first group quantized and written into each head's first holes, then after the region."""
-        batch, heads = self.live.shape[:2]
         q, g = self.quantized_count, self.group
-        window_keys, window_values = self.keys[:, :, :g], self.values[:, :, :g]
-        key_codes, key_scales, key_zeros = kv_codes.quantize_keys(window_keys, g, self.bits)
-        value_codes, value_scales, value_zeros = kv_codes.quantize_values(window_values, self.value_group, self.bits)
-        self.key_scales = written(self.key_scales, key_scales, self.groups, GROUP_STEP)
-        self.key_zeros = written(self.key_zeros, key_zeros, self.groups, GROUP_STEP)
-        new = {
-            "key_codes": key_codes, "key_groups": mx.full((batch, heads, g), self.groups, mx.int32),
-            "value_codes": value_codes, "value_scales": value_scales, "value_zeros": value_zeros,
-            "scores": self.scores[:, :, q : q + g], "positions": self.positions[:, :, q : q + g],
-            "live": self.live[:, :, q : q + g],
-        }
-        rest = {name: getattr(self, name)[:, :, q + g :] for name in ("scores", "positions", "live")}
-        rest_keys, rest_values = self.keys[:, :, g:], self.values[:, :, g:]
+        one = np.ones(1, bool)
+        quantized = quantized_group(self.keys[:, :, :g], self.values[:, :, :g], np.array([self.groups]), self.bits,
+                                    self.value_group)
+        self.key_scales = written(self.key_scales, quantized.key_scales, self.groups, GROUP_STEP)
+        self.key_zeros = written(self.key_zeros, quantized.key_zeros, self.groups, GROUP_STEP)
         self.groups += 1
-        region_live = self.live[:, :, :q]
-        holes = (~region_live).sum(axis=-1, keepdims=True).astype(mx.int32)  # [B, H, 1]
-        grow = max(0, g - int(holes.min().item()))  # a head with fewer holes than a group needs new slots
-        order = mx.where(region_live, q, 0) + mx.arange(q, dtype=mx.int32)  # holes first, in slot order
-        first_holes = mx.argsort(order, axis=-1)[..., :g].astype(mx.int32) if q else mx.zeros((batch, heads, 0), mx.int32)
-        if first_holes.shape[-1] < g:
-            first_holes = mx.concatenate([first_holes, mx.zeros((batch, heads, g - first_holes.shape[-1]), mx.int32)], axis=2)
-        j = mx.arange(g, dtype=mx.int32)
-        target = mx.where(j < holes, first_holes, q + j - holes)  # [B, H, g]: where window slot j goes
-        region = {
-            "key_codes": self.key_codes, "key_groups": self.key_groups, "value_codes": self.value_codes,
-            "value_scales": self.value_scales, "value_zeros": self.value_zeros, "scores": self.scores[:, :, :q],
-            "positions": self.positions[:, :, :q], "live": region_live,
-        }
-        for name, values in new.items():
-            array = region[name]
-            if grow:
-                array = mx.concatenate([array, mx.zeros((batch, heads, grow, *array.shape[3:]), array.dtype)], axis=2)
-            index = target if values.ndim == 3 else mx.broadcast_to(target[..., None], values.shape)
-            region[name] = mx.put_along_axis(array, index, values, axis=2)
-        self.key_codes, self.key_groups = region["key_codes"], region["key_groups"]
-        self.value_codes, self.value_scales, self.value_zeros = (
-            region["value_codes"], region["value_scales"], region["value_zeros"]
-        )
-        self.quantized_count = q + grow
-        self._forget_dead_groups(region)
+        region = {name: getattr(self, name) for name in SLOT_PARTS}
+        new = dict(quantized.slots)
+        for name in ("scores", "positions", "live"):
+            region[name], new[name] = getattr(self, name)[:, :, :q], getattr(self, name)[:, :, q : q + g]
+        rest = {name: getattr(self, name)[:, :, q + g :] for name in ("scores", "positions", "live")}
+        region, counts = write_into_holes(region, np.array([q]), new, one)
+        self.quantized_count = int(counts[0])
+        for name in SLOT_PARTS:
+            setattr(self, name, region[name])
+        kept = forget_dead_groups(self.key_groups, region["live"], counts, np.array([self.groups]), self.key_scales,
+                                  self.key_zeros, one)
+        if kept.dropped.any():
+            self.key_groups, self.key_scales, self.key_zeros = kept.key_groups, kept.key_scales, kept.key_zeros
+            self.groups = int(kept.groups[0])
         self.tail -= g
         self.stored = self.quantized_count + self.tail
-        self.keys, self.values = grown(rest_keys, None, g), grown(rest_values, None, g)  # the window keeps its size
-        for name in ("scores", "positions", "live"):
+        self.keys, self.values = grown(self.keys[:, :, g:], None, g), grown(self.values[:, :, g:], None, g)
+        for name in ("scores", "positions", "live"):  # the window keeps its size
             setattr(self, name, grown(mx.concatenate([region[name], rest[name]], axis=2), None, g))
-
-    def _forget_dead_groups(self, region: dict) -> None:
-        """Drop the key scales of groups no held token uses any more, renumbering the others (order kept)."""
-        used = np.zeros(self.groups, bool)
-        used[np.unique(np.array(self.key_groups)[np.array(region["live"])])] = True
-        if used.all():
-            return
-        renumber = mx.array(np.cumsum(used) - 1, mx.int32)
-        kept = mx.array(np.nonzero(used)[0], mx.int32)
-        self.key_groups = mx.maximum(renumber[self.key_groups], 0)  # a hole's number no longer matters
-        self.key_scales = self.key_scales[:, :, kept]
-        self.key_zeros = self.key_zeros[:, :, kept]
-        self.groups = int(used.sum())
 
     # ----- what a quantized layer cannot do (it only decodes) -------------------------------------
 

@@ -50,7 +50,10 @@ from ..cache.base import EvictingKVCache
 from ..cache.signals import Recency, Signal, fold_heads
 from ..cache.slots import GROWTH_STEP, decode_capacity, protect, recent_limit
 from ..kernels.attend import attend_and_score
+from .mixed_batch import MixedBatch
 from .quantized_batching import QuantizedFullBatch
+from .quantized_slots_batch import QuantizedSlotsBatch, quantized_slots
+from .row_columns import by_group, column, row_groups
 from .unsupported import BatchUnsupported, check_batched_call
 
 FULL_STEP = KVCache.step  # mlx-lm's KVCache grows by this many slots
@@ -93,6 +96,8 @@ class _Row:
         refusal = cache.batch_refusal()
         if refusal is not None:
             raise BatchUnsupported(f"layer {layer}: {refusal}")
+        if quantized_slots(cache):
+            raise BatchUnsupported(f"layer {layer}: a cache holding quantized tokens (kv_bits) batches only with its own kind")
         slots, budget = cache.slots, cache.layer_budget
         if not issubclass(slots.signal, Signal):
             raise BatchUnsupported(f"layer {layer}: signal {slots.signal.__name__} has no batched form")
@@ -272,12 +277,12 @@ class BatchedLayer(_BaseCache):
     def _settings(self) -> None:
         """Per-row settings as ``[B, 1, 1]`` columns, and which rows each signal ranks and folds."""
         rows = self.rows
-        self._n_sink = _column([row.n_sink for row in rows], mx.int32)
-        self._recent = _column([row.recent for row in rows], mx.int32)
-        self._pooled = _column([row.pooled for row in rows], mx.bool_) if any(row.pooled for row in rows) else None
-        self._ranked = _groups(rows, lambda row: row.signal if row.evicting else None)
+        self._n_sink = column([row.n_sink for row in rows], mx.int32)
+        self._recent = column([row.recent for row in rows], mx.int32)
+        self._pooled = column([row.pooled for row in rows], mx.bool_) if any(row.pooled for row in rows) else None
+        self._ranked = row_groups(rows, lambda row: row.signal if row.evicting else None)
         self._folded = {
-            observed: _groups(rows, lambda row: row.signal if row.scores_decode and row.observed == observed else None)
+            observed: row_groups(rows, lambda row: row.signal if row.scores_decode and row.observed == observed else None)
             for observed in (True, False)
         }
 
@@ -300,11 +305,11 @@ class BatchedLayer(_BaseCache):
         slot = mx.broadcast_to(stored, (*self.scores.shape[:2], 1))
         if at_budget.any():
             victim = self._victims(stored, position)
-            slot = mx.where(_column(at_budget, mx.bool_), victim, slot) if not at_budget.all() else victim
+            slot = mx.where(column(at_budget, mx.bool_), victim, slot) if not at_budget.all() else victim
         if self._flat is not None:  # a pooled row's appended token takes the next flat slot, head after head
-            appended = _column(counts.stored, mx.int32) + mx.arange(self.scores.shape[1], dtype=mx.int32)[None, :, None]
+            appended = column(counts.stored, mx.int32) + mx.arange(self.scores.shape[1], dtype=mx.int32)[None, :, None]
             kept = mx.take_along_axis(self._flat, slot, axis=-1)
-            self._flat = mx.put_along_axis(self._flat, slot, mx.where(_column(at_budget, mx.bool_), kept, appended), axis=-1)
+            self._flat = mx.put_along_axis(self._flat, slot, mx.where(column(at_budget, mx.bool_), kept, appended), axis=-1)
         index = slot[..., None]
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(index, keys.shape), keys, axis=2)
         self.values = mx.put_along_axis(self.values, mx.broadcast_to(index, values.shape), values, axis=2)
@@ -437,6 +442,8 @@ class BatchedLayer(_BaseCache):
 
     def join_refusal(self, other: "BatchedLayer") -> Optional[str]:
         """Why ``other``'s rows cannot join this batch (None: they can)."""
+        if not isinstance(other, BatchedLayer):
+            return f"layer {self.layer}: rows of another kind ({type(other).__name__}) join a MixedBatch, not this layer"
         mine = (self.keys.shape[1], self.keys.shape[3], self.values.shape[3], self.keys.dtype, self.values.dtype)
         theirs = (other.keys.shape[1], other.keys.shape[3], other.values.shape[3], other.keys.dtype, other.values.dtype)
         if mine != theirs:
@@ -493,7 +500,7 @@ class BatchedLayer(_BaseCache):
     def _head_stored(self) -> mx.array:
         """Valid slots per row ``[B, 1, 1]``, or per (row, head) ``[B, H, 1]`` when a row has per-head budgets."""
         if self._pooled is None:
-            return _column(self.counts.head_stored[:, 0], mx.int32)
+            return column(self.counts.head_stored[:, 0], mx.int32)
         return mx.array(self.counts.head_stored[:, :, None], mx.int32)
 
     def _victims(self, stored: mx.array, position: mx.array) -> mx.array:
@@ -518,38 +525,14 @@ class BatchedLayer(_BaseCache):
 
         Each row's signal ranks its slots; padded slots rank +inf: never evicted.
         """
-        ranking = _by_group(self._ranked, lambda signal: signal.rank(self.scores, self.positions), self.scores)
+        ranking = by_group(self._ranked, lambda signal: signal.rank(self.scores, self.positions), self.scores)
         ranking = protect(ranking, self.positions, n_sink=self._n_sink, recent=self._recent, offset=position)
         return mx.where(_slot_numbers(self.positions.shape[-1]) >= stored, mx.inf, ranking)
 
     def _fold(self, mass: mx.array, *, observed: bool) -> None:
         """Fold one step's key mass ``[B, H', T]`` into the scores of the rows scored this way, by their signal."""
         mass = fold_heads(mass, self.scores.shape[1]) * self._valid
-        self.scores = _by_group(self._folded[observed], lambda signal: signal.combine(self.scores, mass), self.scores)
-
-
-def _groups(rows: list, key) -> list:
-    """``[(value, rows mask [B, 1, 1] or None for all rows)]`` for each value ``key(row)`` takes (None: left out)."""
-    values = [key(row) for row in rows]
-    groups = []
-    for value in dict.fromkeys(v for v in values if v is not None):
-        mask = [v is value for v in values]
-        groups.append((value, None if all(mask) else _column(mask, mx.bool_)))
-    return groups
-
-
-def _by_group(groups: list, compute, otherwise: mx.array) -> mx.array:
-    """``compute(value)`` on each group's rows, ``otherwise`` on the rest."""
-    result = otherwise
-    for value, mask in groups:
-        computed = compute(value)
-        result = computed if mask is None else mx.where(mask, computed, result)
-    return result
-
-
-def _column(values, dtype) -> mx.array:
-    """One value per row (a list or a NumPy array) as ``[B, 1, 1]``, to broadcast over heads and slots."""
-    return mx.array(np.asarray(values).reshape(-1, 1, 1), dtype)
+        self.scores = by_group(self._folded[observed], lambda signal: signal.combine(self.scores, mass), self.scores)
 
 
 @functools.lru_cache(maxsize=64)
@@ -621,7 +604,10 @@ def decode_footprint(stacks: list[list], new_tokens: list[int]) -> int:
 
 def _final_widths(cache, new: int) -> list[tuple[int, int]]:
     """``_final_width`` of one layer; a quantized full cache's batch holds two parts: its codes, padded as they
-    are (a quantized token's codes, group number and value scales), and its float window, growing by ``new``."""
+    are (a quantized token's codes, group number and value scales), and its float window, growing by ``new``;
+    a quantized evicting cache's, its region and its window (``QuantizedTokenSlots.batch_parts``)."""
+    if quantized_slots(cache):
+        return cache.slots.batch_parts(cache.layer_budget)
     if not _quantized_full(cache):
         return [_final_width(cache, new)]
     tokens = cache.tokens
@@ -667,11 +653,24 @@ def join_layers(layers: list[BatchedLayer], joining: list[BatchedLayer]) -> None
     """
     if len(layers) != len(joining):
         raise BatchUnsupported(f"rows have stacks of different depths {sorted({len(layers), len(joining)})}: not the same model")
-    refusal = next((r for r in (layer.join_refusal(new) for layer, new in zip(layers, joining)) if r is not None), None)
+    refusal = next((r for r in map(_join_refusal, layers, joining) if r is not None), None)
     if refusal is not None:
         raise BatchUnsupported(refusal)
-    for layer, new in zip(layers, joining):
-        layer.join(new)
+    for index, new in enumerate(joining):
+        if not _same_kind(layers[index], new) and not isinstance(layers[index], MixedBatch):
+            layers[index] = MixedBatch([layers[index]])  # a kind the batch did not hold yet: a part of its own
+        layers[index].join(new)
+
+
+def _same_kind(layer, new) -> bool:
+    return type(layer) is type(new) and not isinstance(layer, MixedBatch)
+
+
+def _join_refusal(layer, new) -> Optional[str]:
+    """Why ``new``'s rows cannot join ``layer``: only rows of a kind the batch holds can refuse (heads, dtypes)."""
+    if _same_kind(layer, new) or isinstance(layer, MixedBatch):
+        return layer.join_refusal(new)
+    return MixedBatch([layer]).join_refusal(new) if isinstance(new, MixedBatch) else None
 
 
 def batch_refusal(stack: list) -> Optional[str]:
@@ -685,6 +684,11 @@ def batch_refusal(stack: list) -> Optional[str]:
             if not cache.decoding:
                 return f"layer {layer}: a quantized full cache joins a batch once decoding started"
             continue  # batches with its own kind (``QuantizedFullBatch``)
+        if quantized_slots(cache):
+            refusal = cache.batch_refusal()
+            if refusal is not None:
+                return f"layer {layer}: {refusal}"
+            continue  # batches with its own kind (``QuantizedSlotsBatch``)
         try:
             _Row.of(cache, layer)
         except BatchUnsupported as refusal:
@@ -707,8 +711,18 @@ def batch_layers(stacks: list[list]) -> list[BatchedLayer]:
     layers = []
     for layer in range(len(stacks[0])):
         caches = [stack[layer] for stack in stacks]
-        quantized = [_quantized_full(cache) for cache in caches]
-        if any(quantized) and not all(quantized):
-            raise BatchUnsupported(f"layer {layer}: quantized full rows batch only with their own kind")
-        layers.append(QuantizedFullBatch(caches, layer) if all(quantized) else BatchedLayer(caches, layer))
+        kinds = [_batch_kind(cache) for cache in caches]
+        if len(set(kinds)) == 1:
+            layers.append(kinds[0](caches, layer))
+        else:  # each kind in a part of its own, one model call for all
+            layers.append(MixedBatch.of(list(zip(kinds, caches)), layer))
     return layers
+
+
+def _batch_kind(cache) -> type:
+    """The batched layer class that holds ``cache``'s row: by what its tokens are held as."""
+    if _quantized_full(cache):
+        return QuantizedFullBatch
+    if quantized_slots(cache):
+        return QuantizedSlotsBatch
+    return BatchedLayer

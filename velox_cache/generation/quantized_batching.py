@@ -21,12 +21,12 @@ from typing import Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import _BaseCache
 
 from ..cache.quantized_tokens import STEP as TOKENS_STEP
 from ..cache.quantized_tokens import grown
 from ..kernels.attend import attend_quantized
 from ..kernels.kv_codes import QuantizedKV
+from .decoding_batch import DecodingBatch
 from .unsupported import BatchUnsupported, check_batched_call
 
 STEP = 256  # window growth, in tokens
@@ -40,7 +40,7 @@ def _pad(array: mx.array, width: int) -> mx.array:
     return array if array.shape[2] >= width else grown(array, None, width - array.shape[2])
 
 
-class QuantizedFullBatch(_BaseCache):
+class QuantizedFullBatch(DecodingBatch):
     """One layer's ``QuantizedFullKVCache`` rows decoding one token per row per call (see the module doc)."""
 
     def __init__(self, caches: list, layer: int = 0):
@@ -68,11 +68,6 @@ class QuantizedFullBatch(_BaseCache):
         self._attended = True
 
     # ----- mlx-lm cache protocol ----------------------------------------------------------
-
-    @property
-    def offset(self) -> mx.array:
-        """Each row's position for its next token, ``int32 [B]``."""
-        return self._offset
 
     @property
     def scores(self) -> mx.array:
@@ -111,11 +106,6 @@ class QuantizedFullBatch(_BaseCache):
         self._attended = True
         return attend_quantized(queries, keys, scale=scale, sinks=sinks).output
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        if N != 1:
-            raise BatchUnsupported(f"layer {self.layer}: a batch takes one token per row per call, got {N}")
-        return None
-
     @property
     def state(self):
         return [getattr(self, name) for name in (*_CODE_PARTS, *_GROUP_PARTS)] + [self.keys, self.values]
@@ -124,18 +114,8 @@ class QuantizedFullBatch(_BaseCache):
     def state(self, value):
         raise NotImplementedError("a QuantizedFullBatch cannot be restored from a saved state")
 
-    def is_trimmable(self) -> bool:
-        return False
-
-    def empty(self) -> bool:
-        return False
-
     def size(self) -> int:
         return int((self.quantized + self.tails).max())
-
-    @property
-    def attended(self) -> bool:
-        return self._attended
 
     @property
     def rows(self) -> list:

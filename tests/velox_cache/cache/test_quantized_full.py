@@ -5,9 +5,8 @@ import numpy as np
 import pytest
 
 import velox_cache
-from velox_cache import BatchUnsupported, ConfigError, KVCacheBuilder, KVCacheConfig, phases, prefill_phases
+from velox_cache import ConfigError, KVCacheBuilder, KVCacheConfig, phases, prefill_phases
 from velox_cache.cache.quantized_tokens import QuantizedTokens
-from velox_cache.generation.batching import batch_layers
 from velox_cache.generation.snapshot import snapshot
 from velox_cache.policies import FullKVCache, QuantizedFullKVCache
 
@@ -183,14 +182,6 @@ def test_quantized_full_rows_decode_the_same_tokens_alone_and_batched(tiny_model
             assert (x.offset, x.tokens.quantized, x.tokens.tail) == (y.offset, y.tokens.quantized, y.tokens.tail)
             assert x.nbytes == y.nbytes, "the same buffers as decoding alone leaves"
             assert mx.allclose(x.tokens.held().keys, y.tokens.held().keys, atol=1e-4).item()
-
-
-def test_quantized_full_rows_batch_only_with_their_own_kind(tiny_model):
-    model, tokenizer = tiny_model
-    quantized = _prefilled(model, tokenizer, [40], _config())
-    plain = _prefilled(model, tokenizer, [40], KVCacheConfig(method="full"))
-    with pytest.raises(BatchUnsupported, match="own kind"):
-        batch_layers([quantized[0][0], plain[0][0]])
 
 
 def test_a_snapshot_decodes_on_its_own(tiny_model):

@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 import velox_cache
-from velox_cache import BatchUnsupported, KVCacheBuilder, KVCacheConfig, prefill_phases
-from velox_cache.generation.batching import batch_layers
+from velox_cache import KVCacheBuilder, KVCacheConfig, prefill_phases
 from velox_cache.generation.reading import SharedReading
 
 from tests.velox_cache.policies import POLICY_CONFIGS
@@ -99,13 +98,6 @@ def test_key_proxy_scoring_reads_the_codes(tiny_model, bits):
     assert all(float(c.slots.held_scores().sum()) > 0 for c in stack)
 
 
-def test_quantized_rows_refuse_to_batch(tiny_model):
-    model, tokenizer = tiny_model
-    stacks = [_decoded(model, tokenizer, {"method": "pyramidkv"}, steps=1) for _ in range(2)]
-    with pytest.raises(BatchUnsupported, match="kv_bits"):
-        batch_layers(stacks)
-
-
 def test_a_stack_cut_from_a_reading_is_its_own(tiny_model):
     model, tokenizer = tiny_model
     config = KVCacheConfig(method="pyramidkv", budget=BUDGET, scoring="observed", kv_bits=4, lookahead=0)
@@ -120,7 +112,7 @@ def test_a_stack_cut_from_a_reading_is_its_own(tiny_model):
         assert all(mx.array_equal(x, y).item() for x, y in zip(a.slots.arrays, b.slots.arrays))
 
 
-def test_a_quantized_row_decodes_alone_while_the_others_batch(tiny_model):
+def test_a_quantized_row_batches_beside_float_rows(tiny_model):
     from velox_cache.generation.decode import DecodeRow, decode_rows
     from velox_cache.generation.sampling import TokenSampler
 
@@ -140,27 +132,12 @@ def test_a_quantized_row_decodes_alone_while_the_others_batch(tiny_model):
     together = rows([None, 8, None])
     with velox_cache.observe(model):
         decode_rows(model, together)
-    assert [row.batch_size for row in together] == [2, 1, 2], "the float rows batched, the quantized one alone"
+    assert [row.batch_size for row in together] == [3, 3, 3], "the quantized row in a part of its own kind"
     for bits, row in zip([None, 8, None], together):
         alone = rows([bits])
         with velox_cache.observe(model):
             decode_rows(model, alone)
         assert alone[0].tokens == row.tokens
-
-
-def test_a_quantized_row_costs_a_batch_its_own_bytes(tiny_model):
-    from velox_cache.generation.batching import decode_footprint, row_footprint
-
-    model, tokenizer = tiny_model
-    quantized = _decoded(model, tokenizer, {"method": "pyramidkv"}, steps=1)
-    floats = KVCacheBuilder.for_model(model, KVCacheConfig(method="pyramidkv", budget=BUDGET, scoring="observed"),
-                                      prompt_tokens=160)
-    with velox_cache.observe(model):
-        prefill_phases(model, floats, document=_prompt(tokenizer), max_new_tokens=8)
-    footprint = row_footprint(quantized, 8)
-    assert not footprint.batches and footprint.own_bytes == sum(cache.nbytes for cache in quantized)
-    alone = decode_footprint([floats], [8])
-    assert decode_footprint([floats, quantized], [8, 8]) == alone + footprint.own_bytes, "no batch buffer for it"
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -1,0 +1,41 @@
+"""``DecodingBatch``: the mlx-lm cache protocol every batched layer shares (one token per row per call)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache
+
+from .unsupported import BatchUnsupported
+
+
+class DecodingBatch(_BaseCache):
+    """Base of the batched layers: each row's position in ``_offset`` ``int32 [B]``, ``layer`` its index,
+    ``_attended`` whether the last call's attention reached the layer."""
+
+    layer: int = 0
+    _offset: mx.array
+    _attended: bool = True
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's position for its next token, ``int32 [B]`` (mlx-lm's RoPE takes one per row)."""
+        return self._offset
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        """None: one token per row, and the layer masks its own padding when attention reaches it."""
+        if N != 1:
+            raise BatchUnsupported(f"layer {self.layer}: a batch takes one token per row per call, got {N}")
+        return None
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        return False
+
+    @property
+    def attended(self) -> bool:
+        """False when the last call's attention did not reach ``observe_attention``."""
+        return self._attended
