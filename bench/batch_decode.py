@@ -16,6 +16,7 @@ job (``velox-batch run`` on a fresh store, in-process), as documents per hour.
 
     python bench/batch_decode.py throughput --batch-sizes 1 2 4 8 16 32
     python bench/batch_decode.py throughput --batch-sizes 1 8 --compare-unpipelined
+    python bench/batch_decode.py throughput --kinds pyramidkv-128 pyramidkv-128-kv8 --batch-sizes 1 8 32 --steps 64 --stagger 32
     python bench/batch_decode.py job --documents 24 --batch-size 8
 """
 
@@ -64,14 +65,25 @@ def prefilled(model, tokenizer, length: int, config: KVCacheConfig):
     return caches, logits
 
 
-def decode_rate(model, caches, logits, config, batch: int, steps: int, pipelined=None) -> float:
-    """Tokens/s of ``batch`` copies of ``caches`` decoding ``steps`` tokens each."""
+def decode_rate(model, caches, logits, config, batch: int, steps: int, pipelined=None, stagger: int = 0) -> float:
+    """Tokens/s of ``batch`` copies of ``caches`` decoding ``steps`` tokens each.
+
+    ``stagger``: row ``i`` first takes ``i % stagger`` tokens alone (untimed) in a copy of its own, so that
+    what happens every few steps of a row (a quantized window's flush) falls on different steps for different
+    rows, as it does for different documents; 0: every row reads one copy and all do the same at once.
+    """
     copy = snapshot(caches)  # one copy that every row reads (rows write back into it when they finish)
     rows = []
-    for _ in range(batch):
+    for index in range(batch):
         sampler = TokenSampler()
-        rows.append(DecodeRow(copy, sampler, sampler.logprobs(logits), steps + 1))
-    mx.eval([c.state for c in copy])
+        row_caches, row_logits = copy, logits
+        if stagger:
+            row_caches = snapshot(caches)
+            with _context(model, config):
+                for token in range(index % stagger):
+                    row_logits = model(mx.array([[token + 3]]), cache=row_caches)[:, -1, :]
+        rows.append(DecodeRow(row_caches, sampler, sampler.logprobs(row_logits), steps + 1))
+        mx.eval([c.state for c in row_caches])
     mx.clear_cache()
     with _context(model, config):
         start = time.perf_counter()
@@ -91,7 +103,8 @@ def throughput(args) -> None:
         decode_rate(model, caches, logits, config, 1, 2)  # warm-up
         base = None
         for batch in args.batch_sizes:
-            rate = 0.0 if compare else decode_rate(model, caches, logits, config, batch, args.steps)
+            rate = 0.0 if compare else decode_rate(model, caches, logits, config, batch, args.steps,
+                                                   stagger=args.stagger)
             off = None
             if compare:  # alternating runs, best of each: the difference is a few percent
                 off = 0.0
@@ -181,6 +194,9 @@ def main(argv=None):
     rate.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     rate.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS))
     rate.add_argument("--steps", type=int, default=16, help="decode steps per row")
+    rate.add_argument("--stagger", type=int, default=0,
+                      help="row i first takes i %% STAGGER tokens alone, untimed (rows as different documents: "
+                           "a quantized window's flush on different steps); 0: identical rows")
     rate.add_argument("--compare-unpipelined", action="store_true",
                       help="time each B pipelined and not (decode_rows(pipelined=True/False)), alternating")
     rate.add_argument("--repeats", type=int, default=3, help="runs of each with --compare-unpipelined (best taken)")

@@ -142,8 +142,8 @@ class KVCacheConfig:
             from it, and leaves each evicted token's codes as a hole the next
             whole group fills (``velox_cache.cache.quantized_slots``).
             ``None``: held in float. Needs the model's attention routed
-            through Velox; full caches at ``kv_bits`` decode in batches of
-            their own kind, evicting ones alone so far.
+            through Velox; rows at ``kv_bits`` decode in batches (each kind
+            in a batched layer of its own, beside rows of other kinds).
         kv_group_size: tokens per key scale and features per value scale
             (a value group wider than the head dim is the head dim; one that
             does not divide it becomes it). ``None``: 64 for the full cache,

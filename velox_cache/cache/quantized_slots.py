@@ -38,7 +38,7 @@ import numpy as np
 from ..kernels import kv_codes
 from ..kernels.attend import AttentionResult, attend_quantized
 from ..kernels.kv_codes import QuantizedKV
-from .quantized_holes import SLOT_PARTS, forget_dead_groups, quantized_group, write_into_holes
+from .quantized_holes import SLOT_PARTS, forget_dead_groups, padded, quantized_group, write_into_holes
 from .quantized_tokens import GROUP_STEP, grown, slot_bytes, written
 from .slots import TokenSlots, protect, recent_limit
 
@@ -227,25 +227,27 @@ class QuantizedTokenSlots(TokenSlots):
         """The window's first group quantized and written into each head's first holes, then after the region."""
         q, g = self.quantized_count, self.group
         one = np.ones(1, bool)
-        quantized = quantized_group(self.keys[:, :, :g], self.values[:, :, :g], np.array([self.groups]), self.bits,
+        quantized = quantized_group(self.keys[:, :, :g], self.values[:, :, :g], mx.array([self.groups]), self.bits,
                                     self.value_group)
         self.key_scales = written(self.key_scales, quantized.key_scales, self.groups, GROUP_STEP)
         self.key_zeros = written(self.key_zeros, quantized.key_zeros, self.groups, GROUP_STEP)
         self.groups += 1
-        region = {name: getattr(self, name) for name in SLOT_PARTS}
+        region = {name: padded(getattr(self, name), q + g) for name in SLOT_PARTS}  # room to grow by a group
         new = dict(quantized.slots)
         for name in ("scores", "positions", "live"):
-            region[name], new[name] = getattr(self, name)[:, :, :q], getattr(self, name)[:, :, q : q + g]
+            region[name], new[name] = padded(getattr(self, name)[:, :, :q], q + g), getattr(self, name)[:, :, q : q + g]
         rest = {name: getattr(self, name)[:, :, q + g :] for name in ("scores", "positions", "live")}
-        region, counts = write_into_holes(region, np.array([q]), new, one)
-        self.quantized_count = int(counts[0])
+        region, counts = write_into_holes(region, mx.array([q]), new, one)
+        self.quantized_count = counts.item()
+        region = {name: array[:, :, : self.quantized_count] for name, array in region.items()}
         for name in SLOT_PARTS:
             setattr(self, name, region[name])
-        kept = forget_dead_groups(self.key_groups, region["live"], counts, np.array([self.groups]), self.key_scales,
+        kept = forget_dead_groups(self.key_groups, region["live"], counts, mx.array([self.groups]), self.key_scales,
                                   self.key_zeros, one)
-        if kept.dropped.any():
-            self.key_groups, self.key_scales, self.key_zeros = kept.key_groups, kept.key_scales, kept.key_zeros
-            self.groups = int(kept.groups[0])
+        if kept.dropped.item():
+            self.groups = kept.groups.item()
+            self.key_groups = kept.key_groups
+            self.key_scales, self.key_zeros = kept.key_scales[:, :, : self.groups], kept.key_zeros[:, :, : self.groups]
         self.tail -= g
         self.stored = self.quantized_count + self.tail
         self.keys, self.values = grown(self.keys[:, :, g:], None, g), grown(self.values[:, :, g:], None, g)

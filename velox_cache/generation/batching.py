@@ -30,10 +30,15 @@ the buffers, counts and positions that decoding it alone would have left
 (buffer growth simulated as the row's cache grows), so its accounting and
 later use are the same.
 
+Rows holding quantized tokens (``kv_bits``) batch in layers of their own kind
+(``QuantizedFullBatch``, ``QuantizedSlotsBatch``); ``batch_layers`` gives a
+layer whose rows are of several kinds a ``MixedBatch`` (one batched layer per
+kind, one model call).
+
 What cannot batch is a ``BatchUnsupported`` error, raised before any row's
 cache is touched: caches mid-prefill or mid-probe, cache kinds other than the
-above (sliding-window, state-space, quantized, shared-KV layers), unequal
-shapes or dtypes, multi-token calls, attention that did not reach the layer.
+above (sliding-window, state-space, mlx-lm's quantized cache, shared-KV layers),
+unequal shapes or dtypes, multi-token calls, attention that did not reach the layer.
 """
 
 from __future__ import annotations

@@ -17,6 +17,14 @@ and padding masked by ``live``; observed rows fold its key mass into their
 scores, key-proxy rows the proxy's. Nothing is written in place, so a
 checkpoint is the arrays' handles.
 
+A step never waits for the device: the counts that depend on attention (each
+row's used region slots, its groups) stay device arrays, and the buffers are
+sized from bounds known on the host. A row's region never needs more than its
+budget plus a group (a group flushed when a head holds ``L`` live region tokens
+needs ``L + g`` slots, and ``L`` is below the budget), so the region buffer is
+that wide from the start; the key scales grow when a row's count of groups could
+outgrow them (its bound read back then, once).
+
 The layer protocol is ``BatchedLayer``'s: ``extract`` writes a row back into
 its own slots as decoding alone leaves them (buffer sizes included),
 ``join``, ``filter``, ``checkpoint``, ``restore``.
@@ -46,7 +54,9 @@ from .row_columns import by_group, column, row_groups
 from .unsupported import BatchUnsupported, check_batched_call
 
 _META = ("scores", "positions", "live")  # over the region, then the window
-_COUNTS = ("quantized", "tail", "kept", "groups", "scale_room", "seen")  # per row, on the host
+_HOST = ("tail", "kept", "seen", "groups_bound")  # per row, known without the device
+_DEVICE = ("quantized", "groups", "scale_room")  # per row, int32 device arrays (they follow attention)
+_SETTINGS = ("group_size", "window", "budget", "region_bound")  # per row, fixed while it decodes
 
 
 def quantized_slots(cache) -> bool:
@@ -69,28 +79,32 @@ class QuantizedSlotsBatch(DecodingBatch):
             raise BatchUnsupported(f"layer {layer}: quantized rows differ in bits, groups, heads or dtypes")
         self.bits, self.value_group = slots[0].bits, slots[0].value_group
         self.caches = list(caches)
-        self.quantized = np.array([s.quantized_count for s in slots], np.int64)
+        quantized = np.array([s.quantized_count for s in slots], np.int64)
+        self.quantized = mx.array(quantized, mx.int32)
+        self.groups = mx.array([s.groups for s in slots], mx.int32)
+        self.scale_room = mx.array([s.key_scales.shape[2] for s in slots], mx.int32)  # alone, its scales' buffer
         self.tail = np.array([s.tail for s in slots], np.int64)
         self.kept = np.array([s.kept for s in slots], np.int64)
-        self.groups = np.array([s.groups for s in slots], np.int64)
-        self.scale_room = np.array([s.key_scales.shape[2] for s in slots], np.int64)  # alone, its scales' buffer
         self.seen = np.array([s.tokens_seen for s in slots], np.int64)
+        self.groups_bound = np.array([s.groups for s in slots], np.int64)
         self.group_size = np.array([s.group for s in slots], np.int64)
         self.window = np.array([s.keys.shape[2] for s in slots], np.int64)  # alone, the window's buffer
         self.budget = np.array([cache.layer_budget for cache in caches], np.int64)
+        self.region_bound = np.maximum(quantized, self.budget + self.group_size)  # the most region slots it can use
         self._offset = mx.array([s.offset for s in slots], mx.int32)
-        width, groups, window = int(self.quantized.max()), int(self.groups.max()), int(self.window.max())
+        width, window = int(self.region_bound.max()), int(self.window.max())
+        groups = int(self.groups_bound.max()) + GROUP_STEP
         for name in SLOT_PARTS:
             setattr(self, name, mx.concatenate([padded(getattr(s, name), width) for s in slots]))
-        self.key_scales = mx.concatenate([padded(s.key_scales[:, :, :n], groups) for s, n in zip(slots, self.groups)])
-        self.key_zeros = mx.concatenate([padded(s.key_zeros[:, :, :n], groups) for s, n in zip(slots, self.groups)])
+        self.key_scales = mx.concatenate([padded(s.key_scales[:, :, : s.groups], groups) for s in slots])
+        self.key_zeros = mx.concatenate([padded(s.key_zeros[:, :, : s.groups], groups) for s in slots])
         self.keys = mx.concatenate([padded(s.keys, window) for s in slots])
         self.values = mx.concatenate([padded(s.values, window) for s in slots])
         for name in _META:
             setattr(self, name, mx.concatenate([
                 mx.concatenate([padded(getattr(s, name)[:, :, :q], width), padded(getattr(s, name)[:, :, q:], window)],
                                axis=2)
-                for s, q in zip(slots, self.quantized)
+                for s, q in zip(slots, quantized)
             ]))
         self._settings()
         self._attended = True
@@ -152,7 +166,7 @@ class QuantizedSlotsBatch(DecodingBatch):
         raise NotImplementedError("a QuantizedSlotsBatch cannot be restored from a saved state")
 
     def size(self) -> int:
-        return int((self.quantized + self.tail).max())
+        return int((np.array(self.quantized) + self.tail).max())
 
     @property
     def rows(self) -> list:
@@ -176,45 +190,33 @@ class QuantizedSlotsBatch(DecodingBatch):
         self.kept = self.kept - at_budget
 
     def _flush(self, rows: np.ndarray, group: int) -> None:
-        """Rows ``rows`` (window groups of ``group`` tokens): the window's first group into their holes."""
-        width = self._region
-        quantized = quantized_group(self.keys[:, :, :group], self.values[:, :, :group], self.groups, self.bits,
-                                    self.value_group)
-        self.key_scales = self._scale_written(self.key_scales, quantized.key_scales, rows)
-        self.key_zeros = self._scale_written(self.key_zeros, quantized.key_zeros, rows)
-        room = np.where(self.groups + 1 > self.scale_room, self.groups + 1 + (-(self.groups + 1) % GROUP_STEP),
-                        self.scale_room)
-        self.scale_room = np.where(rows, room, self.scale_room)
-        self.groups = self.groups + rows
-        region = {name: getattr(self, name) for name in SLOT_PARTS}
-        new = dict(quantized.slots)
-        for name in _META:
-            region[name], new[name] = getattr(self, name)[:, :, :width], getattr(self, name)[:, :, width : width + group]
-        region, counts = write_into_holes(region, self.quantized, new, rows)
-        kept = forget_dead_groups(region["key_groups"], region["live"], counts, self.groups, self.key_scales,
-                                  self.key_zeros, rows)
-        region["key_groups"], self.key_scales, self.key_zeros = kept.key_groups, kept.key_scales, kept.key_zeros
-        self.groups = kept.groups
-        self.scale_room = np.where(kept.dropped, kept.groups, self.scale_room)
-        self.quantized = counts
-        self.tail = self.tail - group * rows
-        chosen = column(rows, mx.bool_)
-        for name in SLOT_PARTS:
-            setattr(self, name, region[name])
-        for name in ("keys", "values"):
-            window = getattr(self, name)
-            setattr(self, name, mx.where(chosen[..., None], padded(window[:, :, group:], window.shape[2]), window))
-        for name in _META:
-            window = getattr(self, name)[:, :, width:]
-            shifted = mx.where(chosen, padded(window[:, :, group:], window.shape[2]), window)
-            setattr(self, name, mx.concatenate([region[name], shifted], axis=2))
+        """Rows ``rows`` (window groups of ``group`` tokens): the window's first group into their holes.
 
-    def _scale_written(self, scales: mx.array, new: mx.array, rows: np.ndarray) -> mx.array:
-        """``scales`` with each row in ``rows`` given ``new`` as its next group's (padded as needed)."""
-        scales = padded(scales, max(scales.shape[2], int(self.groups[rows].max()) + 1))
-        index = mx.broadcast_to(column(np.where(rows, self.groups, 0), mx.int32)[..., None], new.shape)
-        put = mx.put_along_axis(scales, index, new, axis=2)
-        return mx.where(column(rows, mx.bool_)[..., None], put, scales)
+        Done on those rows alone (taken out, flushed, put back): usually one row of the batch is due.
+        """
+        self._scale_room_for(rows)
+        index = np.nonzero(rows)[0]
+        take = mx.array(index, mx.int32)
+        names = (*SLOT_PARTS, "key_scales", "key_zeros", "keys", "values", *_META, *_DEVICE)
+        flushed = _flushed({name: getattr(self, name)[take] for name in names}, group=group, width=self._region,
+                           bits=self.bits, value_group=self.value_group)
+        for name, part in flushed.items():
+            array = getattr(self, name)
+            for place, row in enumerate(index):  # a slice update per row: a copy, not a scatter element by element
+                array = mx.slice_update(array, part[place : place + 1], mx.array([int(row)]), axes=(0,))
+            setattr(self, name, array)
+        self.groups_bound[index] += 1
+        self.tail[index] -= group
+
+    def _scale_room_for(self, rows: np.ndarray) -> None:
+        """Key-scale buffers wide enough for one more group of each row in ``rows``: when a row's bound says they
+        may not be, its true count is read back (the one wait on the device) and the buffers grow if needed."""
+        if int(self.groups_bound[rows].max()) < self.key_scales.shape[2]:
+            return
+        self.groups_bound = np.array(self.groups).astype(np.int64)
+        width = int(self.groups_bound.max()) + GROUP_STEP
+        if width > self.key_scales.shape[2]:
+            self.key_scales, self.key_zeros = padded(self.key_scales, width), padded(self.key_zeros, width)
 
     def _append(self, keys: mx.array, values: mx.array) -> None:
         """Each row's new token at its window's next slot (float, live, scored 0, at the row's position)."""
@@ -232,11 +234,10 @@ class QuantizedSlotsBatch(DecodingBatch):
         self._offset = self._offset + 1
 
     def _held(self) -> QuantizedKV:
-        """Every row's codes, then the used part of the windows; ``live`` masks holes and padding."""
-        used = int(self.tail.max())
+        """Every row's codes, then the windows whole (no slice to copy); ``live`` masks holes and padding."""
         return QuantizedKV(self.key_codes, self.key_scales, self.key_zeros, self.key_groups, self.value_codes,
-                           self.value_scales, self.value_zeros, self.keys[:, :, :used], self.values[:, :, :used],
-                           self.bits, self.value_group, self.live[:, :, : self._region + used])
+                           self.value_scales, self.value_zeros, self.keys, self.values, self.bits, self.value_group,
+                           self.live)
 
     def _fold(self, mass: mx.array, *, observed: bool) -> None:
         """Fold one step's key mass ``[B, H', N]`` into the scores of the rows scored this way, by their signal."""
@@ -262,12 +263,12 @@ class QuantizedSlotsBatch(DecodingBatch):
         """Row ``index`` written back into its own slots, buffers as decoding it alone leaves them."""
         slots = self.caches[index].slots
         row = slice(index, index + 1)
-        quantized, window, groups = int(self.quantized[index]), int(self.window[index]), int(self.groups[index])
+        quantized, groups, room = (int(np.array(getattr(self, name))[index]) for name in _DEVICE)
+        window = int(self.window[index])
         for name in SLOT_PARTS:
             setattr(slots, name, mx.contiguous(getattr(self, name)[row, :, :quantized]))
         for name in ("key_scales", "key_zeros"):
-            scales = padded(getattr(self, name)[row, :, :groups], int(self.scale_room[index]))
-            setattr(slots, name, mx.contiguous(scales))
+            setattr(slots, name, mx.contiguous(padded(getattr(self, name)[row, :, :groups], room)))
         slots.keys = mx.contiguous(padded(self.keys[row, :, :window], window))
         slots.values = mx.contiguous(padded(self.values[row, :, :window], window))
         region = self._region
@@ -297,11 +298,11 @@ class QuantizedSlotsBatch(DecodingBatch):
         groups = max(self.key_scales.shape[2], other.key_scales.shape[2])
         for batch in (self, other):
             batch._relayout(region, window)
-        for name in (*SLOT_PARTS, "keys", "values", *_META):
+        for name in (*SLOT_PARTS, "keys", "values", *_META, *_DEVICE):
             setattr(self, name, mx.concatenate([getattr(self, name), getattr(other, name)]))
         for name in ("key_scales", "key_zeros"):
             setattr(self, name, mx.concatenate([padded(getattr(self, name), groups), padded(getattr(other, name), groups)]))
-        for name in (*_COUNTS, "group_size", "window", "budget"):
+        for name in (*_HOST, *_SETTINGS):
             setattr(self, name, np.concatenate([getattr(self, name), getattr(other, name)]))
         self._offset = mx.concatenate([self._offset, other._offset])
         self.caches = self.caches + other.caches
@@ -310,21 +311,48 @@ class QuantizedSlotsBatch(DecodingBatch):
     def filter(self, indices: list[int]) -> None:
         """Only rows ``indices`` stay (finished rows leave; ``extract`` them first)."""
         take = mx.array(indices, mx.int32)
-        for name in (*SLOT_PARTS, "key_scales", "key_zeros", "keys", "values", *_META):
+        for name in (*SLOT_PARTS, "key_scales", "key_zeros", "keys", "values", *_META, *_DEVICE):
             setattr(self, name, getattr(self, name)[take])
-        for name in (*_COUNTS, "group_size", "window", "budget"):
+        for name in (*_HOST, *_SETTINGS):
             setattr(self, name, getattr(self, name)[indices])
         self._offset = self._offset[take]
         self.caches = [self.caches[i] for i in indices]
-        self._relayout(int(self.quantized.max()), self.keys.shape[2])
+        self._relayout(int(self.region_bound.max()), self.keys.shape[2])
         self._settings()
 
     def checkpoint(self) -> tuple:
         """What ``restore`` needs to undo the calls made after it (handles and counts; nothing copied)."""
-        names = (*SLOT_PARTS, "key_scales", "key_zeros", "keys", "values", *_META, "_offset", "_attended")
-        return {name: getattr(self, name) for name in names}, {name: getattr(self, name).copy() for name in _COUNTS}
+        names = (*SLOT_PARTS, "key_scales", "key_zeros", "keys", "values", *_META, *_DEVICE, "_offset", "_attended")
+        return {name: getattr(self, name) for name in names}, {name: getattr(self, name).copy() for name in _HOST}
 
     def restore(self, checkpoint: tuple) -> None:
         arrays, counts = checkpoint
         for name, value in {**arrays, **counts}.items():
             setattr(self, name, value)
+
+
+def _flushed(rows: dict, *, group: int, width: int, bits: int, value_group: int) -> dict:
+    """``rows`` (each array's rows that flush; a region ``width`` slots wide) after their window's first
+    ``group`` went into their holes."""
+    every = np.ones(rows["keys"].shape[0], bool)
+    quantized = quantized_group(rows["keys"][:, :, :group], rows["values"][:, :, :group], rows["groups"],
+                                bits, value_group)
+    number = mx.broadcast_to(rows["groups"].reshape(-1, 1, 1, 1), quantized.key_scales.shape)
+    key_scales = mx.put_along_axis(rows["key_scales"], number, quantized.key_scales, axis=2)
+    key_zeros = mx.put_along_axis(rows["key_zeros"], number, quantized.key_zeros, axis=2)
+    groups = rows["groups"] + 1  # alone, its scales' buffer grows by whole steps when full
+    room = mx.where(groups > rows["scale_room"], groups + (-groups) % GROUP_STEP, rows["scale_room"])
+    region = {name: rows[name] for name in SLOT_PARTS}
+    new = dict(quantized.slots)
+    for name in _META:
+        region[name], new[name] = rows[name][:, :, :width], rows[name][:, :, width : width + group]
+    region, counts = write_into_holes(region, rows["quantized"], new, every)
+    kept = forget_dead_groups(region["key_groups"], region["live"], counts, groups, key_scales, key_zeros, every)
+    flushed = dict(region, key_groups=kept.key_groups, key_scales=kept.key_scales, key_zeros=kept.key_zeros,
+                   quantized=counts, groups=kept.groups, scale_room=mx.where(kept.dropped, kept.groups, room))
+    for name in ("keys", "values"):
+        flushed[name] = padded(rows[name][:, :, group:], rows[name].shape[2])
+    for name in _META:
+        window = rows[name][:, :, width:]
+        flushed[name] = mx.concatenate([region[name], padded(window[:, :, group:], window.shape[2])], axis=2)
+    return flushed
