@@ -47,6 +47,7 @@ from ..cache.quantized_holes import (
 from ..cache.quantized_tokens import GROUP_STEP
 from ..cache.signals import fold_heads
 from ..cache.slots import protect, recent_limit
+from ..kernels import native
 from ..kernels.attend import attend_quantized
 from ..kernels.kv_codes import QuantizedKV
 from .decoding_batch import DecodingBatch
@@ -196,10 +197,15 @@ class QuantizedSlotsBatch(DecodingBatch):
         """
         self._scale_room_for(rows)
         index = np.nonzero(rows)[0]
-        take = mx.array(index, mx.int32)
         names = (*SLOT_PARTS, "key_scales", "key_zeros", "keys", "values", *_META, *_DEVICE)
-        flushed = _flushed({name: getattr(self, name)[take] for name in names}, group=group, width=self._region,
-                           bits=self.bits, value_group=self.value_group)
+        take = mx.array(index, mx.int32)
+        taken = {name: getattr(self, name)[take] for name in names}
+        flush = _native_flush(self.keys.dtype)
+        if flush is not None:  # one op (window_flush.cpp), the same bits as the MLX ops of _flushed
+            every = mx.arange(len(index), dtype=mx.int32)
+            flushed = dict(zip(names, flush([taken[name] for name in names], every, group, self.bits, self.value_group)))
+        else:
+            flushed = _flushed(taken, group=group, width=self._region, bits=self.bits, value_group=self.value_group)
         for name, part in flushed.items():
             array = getattr(self, name)
             for place, row in enumerate(index):  # a slice update per row: a copy, not a scatter element by element
@@ -356,3 +362,11 @@ def _flushed(rows: dict, *, group: int, width: int, bits: int, value_group: int)
         window = rows[name][:, :, width:]
         flushed[name] = mx.concatenate([region[name], padded(window[:, :, group:], window.shape[2])], axis=2)
     return flushed
+
+
+def _native_flush(dtype):
+    """The native ``window_flush`` where it is built and can take these windows (float32 on the CPU), else None."""
+    ops = native.ops()
+    if ops is None or not hasattr(ops, "window_flush") or dtype != mx.float32 or mx.default_device() != mx.cpu:
+        return None
+    return ops.window_flush

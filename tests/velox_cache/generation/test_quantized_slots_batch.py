@@ -120,3 +120,26 @@ def test_a_quantized_row_costs_a_batch_its_codes(tiny_model):
     assert footprint.batches
     assert decode_footprint([r.caches for r in quantized * 4], [8] * 4) < decode_footprint(
         [r.caches for r in floats * 4], [8] * 4)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_native_flush_is_the_mlx_flush_bit_for_bit(tiny_model, monkeypatch, bits):
+    from velox_cache.generation import quantized_slots_batch
+    from velox_cache.kernels import native
+
+    if native.ops() is None:
+        pytest.skip(f"native ops: {native.status()}")
+    model, tokenizer = tiny_model
+    held = []
+    for use_native in (True, False):
+        if not use_native:
+            monkeypatch.setattr(quantized_slots_batch, "_native_flush", lambda dtype: None)
+        rows, context = _rows(model, tokenizer, [120, 61, 170], POLICY_CONFIGS["h2o"], bits=bits)
+        layers = batch_layers([row.caches for row in rows])
+        with context(model):
+            for step in range(25):
+                model(mx.array([[step + 3]] * 3), cache=layers)
+        assert all(layer.groups_bound.min() >= 2 for layer in layers), "every row flushed"
+        held.append([np.array(a) for layer in layers for a in (*layer.state, layer.quantized, layer.groups,
+                                                                layer.scale_room)])
+    assert all(np.array_equal(a, b) for a, b in zip(*held))

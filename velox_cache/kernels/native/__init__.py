@@ -15,6 +15,10 @@ vectorised per instruction set (AVX-512 / AVX2 / baseline, picked at load time):
   attention call fused, FlashAttention-style, on both cores, with the key
   mass and sampled entropy (``velox_cache.kernels.fused``), within
   ``ATTENTION_TOLERANCE`` of a float64 reference as the pure-MLX kernel is.
+- ``window_flush`` (``window_flush.cpp``): a batch of evicting layers at
+  ``kv_bits`` moving rows' whole window groups into their quantized regions
+  (``velox_cache.generation.quantized_slots_batch``), one op where the pure-MLX
+  path takes ~100, with the same bits.
 
 ``ops()`` returns the loaded module, or None where it is not built (macOS, no
 compiler), did not load, failed its check, or ``VELOX_NATIVE=0`` turns it off;

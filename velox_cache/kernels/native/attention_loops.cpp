@@ -241,7 +241,13 @@ struct Workspace {
   std::vector<int64_t> key_index;           // pooled slots: the task's head's keys, in slot order
   std::vector<float> own_keys, own_values;  // ... gathered contiguous for the many-rows tiles
   std::vector<float> key_block, value_block;  // quantized: one key block's keys / values, dequantized
-  std::vector<float> query_scales;  // quantized decode tiles: each row's queries times a key group's scales
+  // quantized decode tiles, per key group met in the tile: each row's queries times the group's scales, and the
+  // rows' queries . its zeros; group_stamp[g] == tile_stamp when group g's are this tile's (a tile computes a
+  // group's once however its keys interleave with other groups' in the slots).
+  std::vector<float> query_scales, query_zeros;
+  std::vector<int64_t> group_stamp;
+  std::vector<float> zero_shares;  // quantized values: each row's sum of weight x zero per value group
+  int64_t tile_stamp = 0;
 };
 
 // A vector of rows [m0, m0 + NV * LANES) at a time, as two or one vectors.
@@ -618,6 +624,7 @@ class Task {
       if (M < ROWS) return few_rows<ROWS - 1>(sums);
     }
     const int64_t dp = (D + LANES - 1) / LANES * LANES;
+    ++w_.tile_stamp;  // the key groups' query products of an earlier tile are not this one's
     w_.qt.assign(ROWS * dp, 0.0f);
     w_.st.assign(ROWS * KEY_BLOCK, NEG_INF);
     w_.ot.assign(ROWS * dp, 0.0f);
@@ -701,39 +708,54 @@ class Task {
     few_values<ROWS>(k0, n_block, dp, alpha);
   }
 
+  // Key group `group`'s QS (ROWS x dp) and qz (ROWS), computed the first time the tile meets the group.
+  template <int ROWS>
+  const float* group_query_products(int32_t group, int64_t dp) {
+    const size_t needed = static_cast<size_t>(group) + 1;
+    if (w_.group_stamp.size() < needed) w_.group_stamp.resize(needed, -1);
+    if (w_.query_scales.size() < needed * ROWS * dp) w_.query_scales.resize(needed * ROWS * dp);
+    if (w_.query_zeros.size() < needed * ROWS) w_.query_zeros.resize(needed * ROWS);
+    float* products = w_.query_scales.data() + group * ROWS * dp;
+    if (w_.group_stamp[group] == w_.tile_stamp) return products;
+    w_.group_stamp[group] = w_.tile_stamp;
+    const float* q = w_.qt.data();
+    const float* scale = key_scales + group * key_scale_stride;
+    const float* zero = key_zeros + group * key_scale_stride;
+    const int64_t half = D / 2;
+    for (int m = 0; m < ROWS; ++m) {
+      const float* row = q + m * dp;
+      float* out = products + m * dp;
+      float bias = 0.0f;
+      for (int64_t d = 0; d < D; ++d) bias += row[d] * zero[d];
+      w_.query_zeros[group * ROWS + m] = bias;
+      if (code_bytes == D) {
+        for (int64_t d = 0; d < D; ++d) out[d] = row[d] * scale[d];
+      } else {
+        for (int64_t i = 0; i < half; ++i) {
+          out[i] = row[2 * i] * scale[2 * i];
+          out[half + i] = row[2 * i + 1] * scale[2 * i + 1];
+        }
+      }
+    }
+    return products;
+  }
+
   // S[m][j] for quantized keys j of [k0, k0 + n): with QS = q * the group's scales and qz = q . its zeros,
   // q . (code * scale + zero) = QS . code + qz, so the codes are read once and never dequantized. At 4 bits QS
   // holds the even features' products, then the odd ones', as the low and high nibbles come.
   template <int ROWS>
   void few_scores_codes(int64_t k0, int64_t n, int64_t dp) {
-    const float* q = w_.qt.data();
     float* s = w_.st.data();
-    w_.query_scales.resize(ROWS * dp);
-    float* qs = w_.query_scales.data();
-    float qz[ROWS];
+    const float* qs = nullptr;
+    const float* qz = nullptr;
     const int64_t half = D / 2;
     int32_t current = -1;
     for (int64_t j = k0; j < k0 + n; ++j) {
       const int32_t group = key_groups[j];
       if (group != current) {
         current = group;
-        const float* scale = key_scales + group * key_scale_stride;
-        const float* zero = key_zeros + group * key_scale_stride;
-        for (int m = 0; m < ROWS; ++m) {
-          const float* row = q + m * dp;
-          float* out = qs + m * dp;
-          float bias = 0.0f;
-          for (int64_t d = 0; d < D; ++d) bias += row[d] * zero[d];
-          qz[m] = bias;
-          if (code_bytes == D) {
-            for (int64_t d = 0; d < D; ++d) out[d] = row[d] * scale[d];
-          } else {
-            for (int64_t i = 0; i < half; ++i) {
-              out[i] = row[2 * i] * scale[2 * i];
-              out[half + i] = row[2 * i + 1] * scale[2 * i + 1];
-            }
-          }
-        }
+        qs = group_query_products<ROWS>(group, dp);
+        qz = w_.query_zeros.data() + group * ROWS;
       }
       const uint8_t* code = key_codes + j * key_code_stride;
       Floats acc[ROWS];
@@ -800,8 +822,8 @@ class Task {
     float* o = w_.ot.data();
     const float* p = w_.st.data();
     const int64_t group = p_.quantized.value_group, groups = D / group;
-    w_.query_scales.assign(ROWS * groups, 0.0f);  // each row's sum of S * zero per value group
-    float* share = w_.query_scales.data();
+    w_.zero_shares.assign(ROWS * groups, 0.0f);  // each row's sum of S * zero per value group
+    float* share = w_.zero_shares.data();
     for (int64_t j = k0; j < k0 + n; ++j)
       for (int64_t g = 0; g < groups; ++g) {
         const float zero = value_zeros[j * value_scale_stride + g];

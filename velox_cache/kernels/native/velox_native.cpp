@@ -281,6 +281,7 @@ namespace velox {
 void register_attention(nb::module_& m);  // attention.cpp: VeloxAttention
 void register_quantized(nb::module_& m);  // quantized.cpp: VeloxQuantizedMatmul
 void register_sampling(nb::module_& m);   // sampling.cpp: VeloxGreedy
+void register_window_flush(nb::module_& m);  // window_flush.cpp: VeloxWindowFlush
 }
 
 NB_MODULE(_ops, m) {
@@ -299,4 +300,5 @@ NB_MODULE(_ops, m) {
   velox::register_attention(m);
   velox::register_quantized(m);
   velox::register_sampling(m);
+  velox::register_window_flush(m);
 }
