@@ -212,7 +212,7 @@ def _take_together(rows: list[DecodeRow], chosen: mx.array, values: mx.array) ->
 def _decode_together(model, rows: list[DecodeRow], pipelined: bool, refill=None) -> list[DecodeRow]:
     """Decode ``rows`` and what ``refill`` gives in one batch; returns the rows ``refill`` gave.
 
-    Rows that cannot batch (``batch_refusal``: a quantized row, a cache kind that does
+    Rows that cannot batch (``batch_refusal``: a cache kind that does
     not batch) are left with their pending token for decoding alone while the
     others batch; rows that cannot batch together, and every row when the batch
     cannot go on, decode alone too.
