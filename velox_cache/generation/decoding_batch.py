@@ -39,3 +39,14 @@ class DecodingBatch(_BaseCache):
     def attended(self) -> bool:
         """False when the last call's attention did not reach ``observe_attention``."""
         return self._attended
+
+    def join_kind(self) -> tuple:
+        """What rows must share to decode in one batch of this class (bits, groups, heads, dims, dtypes)."""
+        raise NotImplementedError
+
+    def join_refusal(self, other) -> Optional[str]:
+        """Why ``other``'s rows cannot join this batch (None: they can)."""
+        if type(other) is not type(self):
+            return f"layer {self.layer}: rows of another kind ({type(other).__name__}) join a MixedBatch, not this layer"
+        mine, theirs = self.join_kind(), other.join_kind()
+        return None if mine == theirs else f"layer {self.layer}: rows differ: {mine} and {theirs}"

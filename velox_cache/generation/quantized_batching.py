@@ -17,7 +17,6 @@ The layer protocol is ``BatchedLayer``'s (``velox_cache.generation.batching``):
 
 from __future__ import annotations
 
-from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -136,12 +135,8 @@ class QuantizedFullBatch(DecodingBatch):
         cache.offset = int(np.array(self._offset)[index])
         return [tokens.tail_keys, tokens.tail_values]
 
-    def join_refusal(self, other) -> Optional[str]:
-        if not isinstance(other, QuantizedFullBatch):
-            return f"layer {self.layer}: quantized full rows batch only with their own kind"
-        mine = (self.bits, self.value_group, self.keys.shape[1], self.keys.shape[3], self.keys.dtype)
-        theirs = (other.bits, other.value_group, other.keys.shape[1], other.keys.shape[3], other.keys.dtype)
-        return None if mine == theirs else f"layer {self.layer}: quantized rows differ: {mine} and {theirs}"
+    def join_kind(self) -> tuple:
+        return (self.bits, self.value_group, self.keys.shape[1], self.keys.shape[3], self.keys.dtype)
 
     def join(self, other: "QuantizedFullBatch") -> None:
         """``other``'s rows join after this batch's own (continuous batching), every array padded to the wider."""

@@ -32,7 +32,6 @@ its own slots as decoding alone leaves them (buffer sizes included),
 
 from __future__ import annotations
 
-from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -288,12 +287,8 @@ class QuantizedSlotsBatch(DecodingBatch):
         slots.offset, slots.tokens_seen = int(np.array(self._offset)[index]), int(self.seen[index])
         return slots.arrays
 
-    def join_refusal(self, other) -> Optional[str]:
-        if not isinstance(other, QuantizedSlotsBatch):
-            return f"layer {self.layer}: quantized evicting rows batch only with their own kind"
-        mine = (self.bits, self.value_group, self.keys.shape[1], self.keys.shape[3], self.keys.dtype)
-        theirs = (other.bits, other.value_group, other.keys.shape[1], other.keys.shape[3], other.keys.dtype)
-        return None if mine == theirs else f"layer {self.layer}: quantized rows differ: {mine} and {theirs}"
+    def join_kind(self) -> tuple:
+        return (self.bits, self.value_group, self.keys.shape[1], self.keys.shape[3], self.keys.dtype)
 
     def join(self, other: "QuantizedSlotsBatch") -> None:
         """``other``'s rows join after this batch's own (continuous batching), every buffer padded to the wider."""
