@@ -32,6 +32,22 @@ def test_quantized_variants_store_the_same_rows_shared_or_alone(job, tmp_path):
     assert kinds == [("pyramid-8", "PyramidKVCache"), ("squeeze-4", "SqueezeAttentionCache")]
 
 
+def test_quantized_variants_store_the_same_rows_batched_or_one_at_a_time(job, tmp_path):
+    write_corpus(tmp_path / "corpus.parquet", n=3)
+    variants = [QUANTIZED[0], QUANTIZED[2], QUANTIZED[3]]
+    generation = {"max_tokens": 14}  # past a few window flushes (groups of 6 at budget 24)
+    batched, single = tmp_path / "batched.db", tmp_path / "single.db"
+    spec = job({"output": {"db": str(batched)}, "generation": generation}, variants=variants)
+    assert invoke("run", spec, "-q").exit_code == 0
+    spec = job({"output": {"db": str(single)}, "generation": {**generation, "decode_batch_size": 1}}, variants=variants)
+    assert invoke("run", spec, "-q").exit_code == 0
+    query = "select document_id, variant, output, output_token_ids, kept_bytes, agreement_vs_full from documents order by 1, 2"
+    assert rows(batched, query) == rows(single, query)
+    sizes = "select variant, max(decode_batch_size) from documents group by 1 order by 1"
+    assert rows(batched, sizes) == [("full", 3), ("pyramid-8", 3), ("squeeze-4", 3)], "quantized rows decoded together"
+    assert rows(single, sizes) == [("full", 1), ("pyramid-8", 1), ("squeeze-4", 1)]
+
+
 def test_the_frontier_measures_quantized_variants_at_every_budget(job, tmp_path):
     write_corpus(tmp_path / "corpus.parquet", n=2)
     path = job(frontier={"budgets": [16, 32]}, variants=QUANTIZED[:3])
