@@ -49,12 +49,13 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, _BaseCache
+from mlx_lm.models.cache import KVCache
 
 from ..cache.base import EvictingKVCache
 from ..cache.signals import Recency, Signal, fold_heads
 from ..cache.slots import GROWTH_STEP, decode_capacity, protect, recent_limit
 from ..kernels.attend import attend_and_score
+from .decoding_batch import DecodingBatch
 from .mixed_batch import MixedBatch
 from .quantized_batching import QuantizedFullBatch
 from .quantized_slots_batch import QuantizedSlotsBatch, quantized_slots
@@ -264,7 +265,7 @@ def _unflattened(slots, keys, values, scores, positions):
     return (*parts, counts.tolist(), spread(mx.arange(stored, dtype=mx.int32)))
 
 
-class BatchedLayer(_BaseCache):
+class BatchedLayer(DecodingBatch):
     """One layer's caches of B sequences, decoding one token per row per call (see the module doc)."""
 
     def __init__(self, caches: list, layer: int = 0):
@@ -292,11 +293,6 @@ class BatchedLayer(_BaseCache):
         }
 
     # ----- mlx-lm cache protocol ----------------------------------------------------------
-
-    @property
-    def offset(self) -> mx.array:
-        """Each row's position for its next token, ``int32 [B]`` (mlx-lm's RoPE takes one per row)."""
-        return self._offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Put each row's one new token in its slot; returns the whole buffers (the layer's mask covers the padding)."""
@@ -345,12 +341,6 @@ class BatchedLayer(_BaseCache):
             self._fold(result.key_mass, observed=True)
         return result.output
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        """None: one token per row, and the layer masks its own padding when attention reaches it."""
-        if N != 1:
-            raise BatchUnsupported(f"layer {self.layer}: a batch takes one token per row per call, got {N}")
-        return None
-
     @property
     def state(self):
         return [self.keys, self.values, self.scores, self.positions]
@@ -359,19 +349,8 @@ class BatchedLayer(_BaseCache):
     def state(self, value):
         raise NotImplementedError("a BatchedLayer cannot be restored from a saved state")
 
-    def is_trimmable(self) -> bool:
-        return False
-
-    def empty(self) -> bool:
-        return False
-
     def size(self) -> int:
         return int(self.counts.head_stored.max())
-
-    @property
-    def attended(self) -> bool:
-        """False when the last call's attention did not reach ``observe_attention``."""
-        return self._attended
 
     # ----- rows in and out (mlx-lm's BatchKVCache: ``extract``, ``filter``) --------------------
 
