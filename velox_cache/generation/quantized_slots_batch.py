@@ -23,7 +23,9 @@ sized from bounds known on the host. A row's region never needs more than its
 budget plus a group (a group flushed when a head holds ``L`` live region tokens
 needs ``L + g`` slots, and ``L`` is below the budget), so the region buffer is
 that wide from the start; the key scales grow when a row's count of groups could
-outgrow them (its bound read back then, once).
+outgrow them (its bound read back then, once). Where Velox's native ops are
+built, the due rows' flush is one op (``window_flush``, bit for bit the MLX ops'
+result).
 
 The layer protocol is ``BatchedLayer``'s: ``extract`` writes a row back into
 its own slots as decoding alone leaves them (buffer sizes included),
@@ -31,7 +33,6 @@ its own slots as decoding alone leaves them (buffer sizes included),
 """
 
 from __future__ import annotations
-
 
 import mlx.core as mx
 import numpy as np
