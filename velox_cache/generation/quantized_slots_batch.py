@@ -198,21 +198,27 @@ class QuantizedSlotsBatch(DecodingBatch):
         self._scale_room_for(rows)
         index = np.nonzero(rows)[0]
         names = (*SLOT_PARTS, "key_scales", "key_zeros", "keys", "values", *_META, *_DEVICE)
-        take = mx.array(index, mx.int32)
-        taken = {name: getattr(self, name)[take] for name in names}
         flush = _native_flush(self.keys.dtype)
-        if flush is not None:  # one op (window_flush.cpp), the same bits as the MLX ops of _flushed
-            every = mx.arange(len(index), dtype=mx.int32)
-            flushed = dict(zip(names, flush([taken[name] for name in names], every, group, self.bits, self.value_group)))
+        if flush is not None:  # native (window_flush.cpp): the same bits as _flushed, each array updated in place
+            flushed = flush([getattr(self, name) for name in names], mx.array(index.astype(np.int32)), group,
+                            self.bits, self.value_group)
+            for name, array in zip(names, flushed):
+                setattr(self, name, array)
         else:
-            flushed = _flushed(taken, group=group, width=self._region, bits=self.bits, value_group=self.value_group)
+            self._flush_taken(index, names, group)
+        self.groups_bound[index] += 1
+        self.tail[index] -= group
+
+    def _flush_taken(self, index: np.ndarray, names: tuple, group: int) -> None:
+        """The flush in MLX ops (``_flushed``), on rows ``index`` taken out of the batch and put back."""
+        take = mx.array(index, mx.int32)
+        flushed = _flushed({name: getattr(self, name)[take] for name in names}, group=group, width=self._region,
+                           bits=self.bits, value_group=self.value_group)
         for name, part in flushed.items():
             array = getattr(self, name)
             for place, row in enumerate(index):  # a slice update per row: a copy, not a scatter element by element
                 array = mx.slice_update(array, part[place : place + 1], mx.array([int(row)]), axes=(0,))
             setattr(self, name, array)
-        self.groups_bound[index] += 1
-        self.tail[index] -= group
 
     def _scale_room_for(self, rows: np.ndarray) -> None:
         """Key-scale buffers wide enough for one more group of each row in ``rows``: when a row's bound says they

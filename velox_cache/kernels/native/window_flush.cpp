@@ -10,7 +10,10 @@
 //   3 value_scales [B,H,Q,NV] f32   4 value_zeros [B,H,Q,NV] f32   5 key_scales [B,H,G,D] f32   6 key_zeros
 //   7 keys [B,H,W,D] f32   8 values [B,H,W,D] f32   9 scores [B,H,Q+W] f32   10 positions [B,H,Q+W] i32
 //   11 live [B,H,Q+W] bool   12 quantized [B] i32   13 groups [B] i32   14 scale_room [B] i32   15 rows [k] i32
-// Outputs: inputs 0-14 after the flush of rows `rows` (the other rows as they were).
+// Outputs: inputs 0-14 after the flush of rows `rows` (the other rows as they were). Built as a small plan
+// (FlushPlan: targets, the group's codes, renumbering) and one single-output op per big array (FlushApply), so
+// that each array no one else holds is updated in place (a primitive with many outputs cannot donate its inputs:
+// every output counts as one of their holders).
 
 #include <algorithm>
 #include <cmath>
@@ -35,10 +38,6 @@ namespace {
 
 constexpr int kParts = 15;
 constexpr int kScaleStep = 16;  // GROUP_STEP: a row's key-scale buffer grows by whole steps
-
-struct FlushShape {
-  int64_t batch, heads, region, window, scale_slots, dim, code_bytes, value_scales;
-};
 
 // Codes of n floats at stride `stride` quantized together: the scale and the zero (the minimum) they share.
 void quantize_run(const float* x, int64_t n, int64_t stride, int levels, uint8_t* codes, int64_t code_stride,
@@ -87,35 +86,47 @@ void copy_contiguous(const mx::array& x, uint8_t* dst) {
   }
 }
 
-class WindowFlush : public mx::Primitive {
+// A small input as a row-contiguous host copy (the plan's inputs and outputs are small).
+template <typename T>
+std::vector<T> host(const mx::array& x) {
+  std::vector<T> out(x.nbytes() / sizeof(T));  // as T: a float array read as bytes is 4 of them an element
+  copy_contiguous(x, reinterpret_cast<uint8_t*>(out.data()));
+  return out;
+}
+
+class CpuPrimitive : public mx::Primitive {
  public:
-  WindowFlush(mx::Stream stream, int group, int bits, int value_group)
-      : mx::Primitive(stream), group_(group), bits_(bits), value_group_(value_group) {}
-  const char* name() const override { return "VeloxWindowFlush"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const WindowFlush*>(&other);
-    return o && o->group_ == group_ && o->bits_ == bits_ && o->value_group_ == value_group_;
-  }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    std::vector<mx::Shape> shapes;
-    for (int i = 0; i < kParts; ++i) shapes.push_back(inputs[i].shape());
-    return shapes;
-  }
+  using mx::Primitive::Primitive;
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("VeloxWindowFlush: Velox's native ops run on the CPU only");
+  }
+};
+
+// The plan of a flush, for rows `rows` (k of them): where each window slot goes, the group's codes and scales,
+// the dead groups' renumbering and the scales' new order, and every row's counts after it. Small outputs only,
+// so that the big arrays are each rewritten by one single-output op (FlushApply) that can update it in place.
+//   inputs: 0 live [B,H,Q+W] bool, 1 key_groups [B,H,Q] i32, 2 keys [B,H,W,D] f32, 3 values, 4 quantized [B] i32,
+//           5 groups [B] i32, 6 scale_room [B] i32, 7 rows [k] i32
+//   outputs: 0 target [k,H,g] i32, 1 key_codes [k,H,g,DK] u8, 2 value_codes [k,H,g,DK] u8,
+//            3 value_scales [k,H,g,NV] f32, 4 value_zeros, 5 group_scales [k,H,D] f32, 6 group_zeros,
+//            7 renumber [k,G] i32, 8 order [k,G] i32, 9 quantized [B] i32, 10 groups [B] i32, 11 scale_room [B] i32
+class FlushPlan : public CpuPrimitive {
+ public:
+  FlushPlan(mx::Stream stream, int group, int bits, int value_group, int scale_slots)
+      : CpuPrimitive(stream), g_(group), bits_(bits), value_group_(value_group), scale_slots_(scale_slots) {}
+  const char* name() const override { return "VeloxFlushPlan"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const FlushPlan*>(&other);
+    return o && o->g_ == g_ && o->bits_ == bits_ && o->value_group_ == value_group_ && o->scale_slots_ == scale_slots_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>&) override {
+    throw std::runtime_error("VeloxFlushPlan: shapes are given when it is built");
   }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     std::vector<mx::array> in, out;
-    std::vector<char> copied(kParts, 1);
-    for (int i = 0; i < kParts; ++i) {  // donation first: a weak copy of an input shares (and counts) its data
-      auto& o = outputs[i];
-      if (inputs[i].is_donatable() && inputs[i].flags().row_contiguous) {  // no one else holds it: in place
-        o.copy_shared_buffer(inputs[i]);
-        copied[i] = 0;
-      } else {
-        o.set_data(mx::allocator::malloc(o.nbytes()));
-      }
+    for (auto& o : outputs) {
+      o.set_data(mx::allocator::malloc(o.nbytes()));
       encoder.set_output_array(o);
       out.push_back(mx::array::unsafe_weak_copy(o));
     }
@@ -123,153 +134,241 @@ class WindowFlush : public mx::Primitive {
       encoder.set_input_array(x);
       in.push_back(mx::array::unsafe_weak_copy(x));
     }
-    encoder.dispatch([in = std::move(in), out = std::move(out), copied = std::move(copied), group = group_,
-                      bits = bits_, value_group = value_group_]() mutable { run(in, out, copied, group, bits, value_group); });
+    encoder.dispatch([in = std::move(in), out = std::move(out), g = g_, bits = bits_, vg = value_group_,
+                      G = scale_slots_]() mutable { run(in, out, g, bits, vg, G); });
   }
 
  private:
-  int group_, bits_, value_group_;
+  int g_, bits_, value_group_, scale_slots_;
 
-  static void run(std::vector<mx::array>& in, std::vector<mx::array>& out, const std::vector<char>& copied, int g,
-                  int bits, int value_group) {
-    for (int i = 0; i < kParts; ++i)  // a buffer still shared with a checkpoint (or a caller) is copied first
-      if (copied[i]) copy_contiguous(in[i], out[i].data<uint8_t>());
-    const FlushShape s{in[0].shape(0), in[0].shape(1), in[0].shape(2), in[7].shape(2), in[5].shape(2),
-                       in[7].shape(3), in[0].shape(3), in[3].shape(3)};
+  static void run(std::vector<mx::array>& in, std::vector<mx::array>& out, int g, int bits, int vg, int64_t G) {
+    const int64_t H = in[0].shape(1), M = in[0].shape(2), Q = in[1].shape(2), W = in[2].shape(2), D = in[2].shape(3);
+    const int64_t DK = out[1].shape(3), NV = D / vg;
     const int levels = (1 << bits) - 1;
-    const int32_t* rows = in[15].data<int32_t>();
-    for (int64_t k = 0; k < in[15].size(); ++k)
-      flush_row(in, out, s, rows[k * in[15].strides()[0]], g, bits, levels, value_group);
+    const auto rows = host<int32_t>(in[7]);
+    auto quantized = host<int32_t>(in[4]), groups = host<int32_t>(in[5]), room = host<int32_t>(in[6]);
+    const auto* live = in[0].data<bool>();  // the big inputs are read in place (row-contiguous: checked when built)
+    const auto* key_groups = in[1].data<int32_t>();
+    const auto* keys = in[2].data<float>();
+    const auto* values = in[3].data<float>();
+    std::vector<uint8_t> codes(g * D), value_one(D);
+    for (size_t k = 0; k < rows.size(); ++k) {
+      const int64_t r = rows[k];
+      const int32_t used = quantized[r], number = groups[r];
+      const bool* row_live = live + r * H * M;
+      const int32_t* row_groups = key_groups + r * H * Q;
+      int32_t* target = out[0].data<int32_t>() + k * H * g;
+      // Each head's holes among its used slots; the row grows by what the head with the fewest lacks.
+      std::vector<std::vector<int64_t>> holes(H);
+      int64_t fewest = Q;
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t slot = 0; slot < used; ++slot)
+          if (!row_live[h * M + slot]) holes[h].push_back(slot);
+        fewest = std::min<int64_t>(fewest, holes[h].size());
+      }
+      const int64_t grown = used + std::max<int64_t>(0, g - fewest);
+      if (grown > Q) throw std::runtime_error("VeloxFlushPlan: the region has no room for the group");
+      if (number >= G) throw std::runtime_error("VeloxFlushPlan: no key-scale slot left for the new group");
+      std::vector<int64_t> slot_of(H * Q, -1);  // window slot j written to region slot s of head h
+      for (int64_t h = 0; h < H; ++h) {
+        const float* window_keys = keys + (r * H + h) * W * D;
+        const float* window_values = values + (r * H + h) * W * D;
+        float* scales = out[5].data<float>() + (k * H + h) * D;
+        float* zeros = out[6].data<float>() + (k * H + h) * D;
+        for (int64_t d = 0; d < D; ++d)  // keys: each channel over the group's tokens
+          quantize_run(window_keys + d, g, D, levels, codes.data() + d, D, scales + d, zeros + d);
+        const int64_t n_holes = holes[h].size();
+        for (int64_t j = 0; j < g; ++j) {
+          const int64_t slot = j < n_holes ? holes[h][j] : used + j - n_holes;
+          target[h * g + j] = static_cast<int32_t>(slot);
+          slot_of[h * Q + slot] = j;
+          const int64_t at = (k * H + h) * g + j;
+          pack_codes(codes.data() + j * D, D, bits, out[1].data<uint8_t>() + at * DK);
+          for (int64_t v = 0; v < NV; ++v)  // values: each token over runs of vg features
+            quantize_run(window_values + j * D + v * vg, vg, 1, levels, value_one.data() + v * vg, 1,
+                         out[3].data<float>() + at * NV + v, out[4].data<float>() + at * NV + v);
+          pack_codes(value_one.data(), D, bits, out[2].data<uint8_t>() + at * DK);
+        }
+      }
+      // Groups a live token uses once the group is in; the others' scales go, the rest renumbered in order.
+      const int32_t after = number + 1;
+      std::vector<char> in_use(G, 0);
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t slot = 0; slot < grown; ++slot) {
+          const int64_t j = slot_of[h * Q + slot];
+          const bool alive = j >= 0 ? row_live[h * M + Q + j] : row_live[h * M + slot];
+          if (alive) in_use[j >= 0 ? number : row_groups[h * Q + slot]] = 1;
+        }
+      int32_t kept = 0;
+      int32_t* renumber = out[7].data<int32_t>() + k * G;
+      int32_t* order = out[8].data<int32_t>() + k * G;
+      for (int64_t n = 0; n < G; ++n) {
+        if (n >= after) in_use[n] = 0;
+        kept += in_use[n];
+        renumber[n] = std::max(kept - 1, 0);
+      }
+      int64_t next = 0;
+      for (int64_t n = 0; n < G; ++n)
+        if (in_use[n]) order[next++] = static_cast<int32_t>(n);
+      for (int64_t n = 0; n < G; ++n)
+        if (!in_use[n]) order[next++] = static_cast<int32_t>(n);
+      const int32_t next_room = after > room[r] ? after + ((kScaleStep - after % kScaleStep) % kScaleStep) : room[r];
+      quantized[r] = static_cast<int32_t>(grown);
+      groups[r] = kept;
+      room[r] = kept < after ? kept : next_room;
+    }
+    std::memcpy(out[9].data<int32_t>(), quantized.data(), quantized.size() * sizeof(int32_t));
+    std::memcpy(out[10].data<int32_t>(), groups.data(), groups.size() * sizeof(int32_t));
+    std::memcpy(out[11].data<int32_t>(), room.data(), room.size() * sizeof(int32_t));
+  }
+};
+
+// One big array of the batch after the flush of rows `rows` (the plan's), in place where no one else holds it.
+enum class Apply { Slots, KeyGroups, Scales, Window, Meta };
+
+class FlushApply : public CpuPrimitive {
+ public:
+  FlushApply(mx::Stream stream, Apply kind, int group) : CpuPrimitive(stream), kind_(kind), g_(group) {}
+  const char* name() const override { return "VeloxFlushApply"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const FlushApply*>(&other);
+    return o && o->kind_ == kind_ && o->g_ == g_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    auto& o = outputs[0];
+    const bool in_place = inputs[0].is_donatable() && inputs[0].flags().row_contiguous;
+    if (in_place) {
+      o.copy_shared_buffer(inputs[0]);
+    } else {
+      o.set_data(mx::allocator::malloc(o.nbytes()));
+    }
+    encoder.set_output_array(o);
+    std::vector<mx::array> in;
+    for (auto& x : inputs) {
+      encoder.set_input_array(x);
+      in.push_back(mx::array::unsafe_weak_copy(x));
+    }
+    encoder.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(o), in_place, kind = kind_,
+                      g = g_]() mutable {
+      if (!in_place) copy_contiguous(in[0], out.data<uint8_t>());
+      run(in, out, kind, g);
+    });
   }
 
-  static void flush_row(std::vector<mx::array>& in, std::vector<mx::array>& out, const FlushShape& s, int64_t r,
-                        int g, int bits, int levels, int value_group) {
-    const int64_t H = s.heads, Q = s.region, W = s.window, D = s.dim, DK = s.code_bytes, NV = s.value_scales;
-    const int64_t M = Q + W, G = s.scale_slots;
-    uint8_t* key_codes = out[0].data<uint8_t>() + r * H * Q * DK;
-    int32_t* key_groups = out[1].data<int32_t>() + r * H * Q;
-    uint8_t* value_codes = out[2].data<uint8_t>() + r * H * Q * DK;
-    float* value_scales = out[3].data<float>() + r * H * Q * NV;
-    float* value_zeros = out[4].data<float>() + r * H * Q * NV;
-    float* key_scales = out[5].data<float>() + r * H * G * D;
-    float* key_zeros = out[6].data<float>() + r * H * G * D;
-    float* keys = out[7].data<float>() + r * H * W * D;
-    float* values = out[8].data<float>() + r * H * W * D;
-    float* scores = out[9].data<float>() + r * H * M;
-    int32_t* positions = out[10].data<int32_t>() + r * H * M;
-    bool* live = out[11].data<bool>() + r * H * M;
-    int32_t& quantized = out[12].data<int32_t>()[r];
-    int32_t& groups = out[13].data<int32_t>()[r];
-    int32_t& room = out[14].data<int32_t>()[r];
-    const int32_t used = quantized, number = groups;
-    if (number >= G) throw std::runtime_error("VeloxWindowFlush: no key-scale slot left for the new group");
+ private:
+  Apply kind_;
+  int g_;
 
-    // Each head's holes among its used slots; the row grows by what the head with the fewest lacks.
-    std::vector<std::vector<int64_t>> holes(H);
-    int64_t fewest = Q;
-    for (int64_t h = 0; h < H; ++h) {
-      for (int64_t slot = 0; slot < used; ++slot)
-        if (!live[h * M + slot]) holes[h].push_back(slot);
-      fewest = std::min<int64_t>(fewest, holes[h].size());
-    }
-    const int64_t grown = used + std::max<int64_t>(0, g - fewest);
-    if (grown > Q) throw std::runtime_error("VeloxWindowFlush: the region has no room for the group");
-
-    std::vector<uint8_t> codes(g * D);
-    std::vector<float> group_scales(D), group_zeros(D);
-    for (int64_t h = 0; h < H; ++h) {
-      const float* window_keys = keys + h * W * D;
-      const float* window_values = values + h * W * D;
-      for (int64_t d = 0; d < D; ++d)  // keys: each channel over the group's tokens
-        quantize_run(window_keys + d, g, D, levels, codes.data() + d, D, &group_scales[d], &group_zeros[d]);
-      std::memcpy(key_scales + (h * G + number) * D, group_scales.data(), D * sizeof(float));
-      std::memcpy(key_zeros + (h * G + number) * D, group_zeros.data(), D * sizeof(float));
-      std::vector<uint8_t> value_one(D);
-      const int64_t n_holes = holes[h].size();
-      for (int64_t j = 0; j < g; ++j) {
-        const int64_t target = j < n_holes ? holes[h][j] : used + j - n_holes;
-        pack_codes(codes.data() + j * D, D, bits, key_codes + (h * Q + target) * DK);
-        key_groups[h * Q + target] = number;
-        for (int64_t v = 0; v < NV; ++v)  // values: each token over runs of value_group features
-          quantize_run(window_values + j * D + v * value_group, value_group, 1, levels, value_one.data() + v * value_group,
-                       1, value_scales + (h * Q + target) * NV + v, value_zeros + (h * Q + target) * NV + v);
-        pack_codes(value_one.data(), D, bits, value_codes + (h * Q + target) * DK);
-        scores[h * M + target] = scores[h * M + Q + j];
-        positions[h * M + target] = positions[h * M + Q + j];
-        live[h * M + target] = live[h * M + Q + j];
+  static void run(std::vector<mx::array>& in, mx::array& out, Apply kind, int64_t g) {
+    const auto rows = host<int32_t>(in[1]);
+    const int64_t H = out.shape(1), N = out.shape(2);
+    int64_t slot_bytes = out.itemsize();
+    for (int axis = 3; axis < out.ndim(); ++axis) slot_bytes *= out.shape(axis);
+    uint8_t* data = out.data<uint8_t>();
+    for (size_t k = 0; k < rows.size(); ++k) {
+      const int64_t r = rows[k];
+      uint8_t* row = data + r * H * N * slot_bytes;
+      if (kind == Apply::Window) {  // the group leaves the window: the rest moves to its front, zeros after
+        for (int64_t h = 0; h < H; ++h) {
+          uint8_t* head = row + h * N * slot_bytes;
+          std::memmove(head, head + g * slot_bytes, (N - g) * slot_bytes);
+          std::memset(head + (N - g) * slot_bytes, 0, g * slot_bytes);
+        }
+        continue;
       }
-    }
-    quantized = static_cast<int32_t>(grown);
-    const int32_t after = number + 1;
-    const int32_t next_room = after > room ? after + ((kScaleStep - after % kScaleStep) % kScaleStep) : room;
-
-    // Groups a live token uses; the others' scales go, the rest renumbered in order (scales compacted in place).
-    std::vector<int32_t> renumber(G, 0);
-    std::vector<char> in_use(G, 0);
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t slot = 0; slot < grown; ++slot)
-        if (live[h * M + slot]) in_use[key_groups[h * Q + slot]] = 1;
-    int32_t kept = 0;
-    for (int64_t n = 0; n < G; ++n) {
-      if (n >= after) in_use[n] = 0;
-      kept += in_use[n];
-      renumber[n] = std::max(kept - 1, 0);
-    }
-    std::vector<int64_t> order;
-    for (int64_t n = 0; n < G; ++n)
-      if (in_use[n]) order.push_back(n);
-    for (int64_t n = 0; n < G; ++n)
-      if (!in_use[n]) order.push_back(n);
-    std::vector<float> moved(G * D);
-    for (float* scales : {key_scales, key_zeros}) {
-      for (int64_t h = 0; h < H; ++h) {
-        float* head = scales + h * G * D;
-        for (int64_t n = 0; n < G; ++n) std::memcpy(moved.data() + n * D, head + order[n] * D, D * sizeof(float));
-        std::memcpy(head, moved.data(), G * D * sizeof(float));
+      const auto target = host<int32_t>(in[2]);  // [k, H, g]
+      const int32_t* row_target = target.data() + k * H * g;
+      if (kind == Apply::Slots) {  // in[3]: the new slots [k, H, g, ...]
+        const auto fresh = host<uint8_t>(in[3]);
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t j = 0; j < g; ++j)
+            std::memcpy(row + (h * N + row_target[h * g + j]) * slot_bytes,
+                        fresh.data() + ((k * H + h) * g + j) * slot_bytes, slot_bytes);
+      } else if (kind == Apply::KeyGroups) {  // in[3]: groups before [B], in[4]: renumber [k, G]
+        const int32_t number = host<int32_t>(in[3])[r];
+        const auto renumber = host<int32_t>(in[4]);
+        const int64_t G = in[4].shape(1);
+        int32_t* numbers = reinterpret_cast<int32_t*>(row);
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t j = 0; j < g; ++j) numbers[h * N + row_target[h * g + j]] = number;
+        for (int64_t i = 0; i < H * N; ++i) numbers[i] = renumber[k * G + numbers[i]];
+      } else if (kind == Apply::Scales) {  // in[3]: groups before [B], in[4]: the group's [k, H, D], in[5]: order [k, G]
+        const int32_t number = host<int32_t>(in[3])[r];
+        const auto fresh = host<uint8_t>(in[4]);
+        const auto order = host<int32_t>(in[5]);
+        std::vector<uint8_t> moved(N * slot_bytes);
+        for (int64_t h = 0; h < H; ++h) {
+          uint8_t* head = row + h * N * slot_bytes;
+          std::memcpy(head + number * slot_bytes, fresh.data() + (k * H + h) * slot_bytes, slot_bytes);
+          for (int64_t n = 0; n < N; ++n) std::memcpy(moved.data() + n * slot_bytes, head + order[k * N + n] * slot_bytes, slot_bytes);
+          std::memcpy(head, moved.data(), N * slot_bytes);
+        }
+      } else {  // Meta: in[3] the region's width Q as a [Q] shape; window slot j goes to its target, then the shift
+        const int64_t Q = in[3].shape(0), W = N - Q;
+        for (int64_t h = 0; h < H; ++h) {
+          uint8_t* head = row + h * N * slot_bytes;
+          for (int64_t j = 0; j < g; ++j)
+            std::memcpy(head + row_target[h * g + j] * slot_bytes, head + (Q + j) * slot_bytes, slot_bytes);
+          std::memmove(head + Q * slot_bytes, head + (Q + g) * slot_bytes, (W - g) * slot_bytes);
+          std::memset(head + (Q + W - g) * slot_bytes, 0, g * slot_bytes);
+        }
       }
-    }
-    for (int64_t i = 0; i < H * Q; ++i) key_groups[i] = renumber[key_groups[i]];
-    groups = kept;
-    room = kept < after ? kept : next_room;
-
-    // The window's group leaves it: the rest moves to its front, the freed slots zero (dead).
-    for (int64_t h = 0; h < H; ++h) {
-      for (float* window : {keys + h * W * D, values + h * W * D}) {
-        std::memmove(window, window + g * D, (W - g) * D * sizeof(float));
-        std::memset(window + (W - g) * D, 0, g * D * sizeof(float));
-      }
-      std::memmove(scores + h * M + Q, scores + h * M + Q + g, (W - g) * sizeof(float));
-      std::memset(scores + h * M + Q + W - g, 0, g * sizeof(float));
-      std::memmove(positions + h * M + Q, positions + h * M + Q + g, (W - g) * sizeof(int32_t));
-      std::memset(positions + h * M + Q + W - g, 0, g * sizeof(int32_t));
-      std::memmove(live + h * M + Q, live + h * M + Q + g, (W - g) * sizeof(bool));
-      std::memset(live + h * M + Q + W - g, 0, g * sizeof(bool));
     }
   }
 };
 
-std::vector<mx::array> window_flush(const std::vector<mx::array>& parts, const mx::array& rows, int group, int bits,
+std::vector<mx::array> window_flush(const std::vector<mx::array>& parts, const mx::array& rows_in, int group, int bits,
                                     int value_group) {
   const auto s = mx::default_stream(mx::Device::cpu);
   if (parts.size() != kParts) throw std::invalid_argument("window_flush: 15 arrays, as the batch holds them");
   const mx::Dtype dtypes[kParts] = {mx::uint8,   mx::int32,   mx::uint8,   mx::float32, mx::float32,
                                     mx::float32, mx::float32, mx::float32, mx::float32, mx::float32,
                                     mx::int32,   mx::bool_,   mx::int32,   mx::int32,   mx::int32};
-  std::vector<mx::array> inputs;
-  std::vector<mx::Shape> shapes;
-  std::vector<mx::Dtype> types;
-  for (int i = 0; i < kParts; ++i) {
+  for (int i = 0; i < kParts; ++i)
     if (parts[i].dtype() != dtypes[i]) throw std::invalid_argument("window_flush: array " + std::to_string(i) + " has another dtype");
-    inputs.push_back(parts[i]);  // as they are: a buffer no one else holds is updated in place
-    shapes.push_back(parts[i].shape());
-    types.push_back(dtypes[i]);
-  }
-  if (group < 1 || group > parts[7].shape(2) || (bits != 8 && bits != 4) || value_group < 1 ||
-      parts[7].shape(3) % value_group) {
+  const auto& keys = parts[7];
+  if (group < 1 || group > keys.shape(2) || (bits != 8 && bits != 4) || value_group < 1 || keys.shape(3) % value_group)
     throw std::invalid_argument("window_flush: group, bits or value_group out of range");
-  }
-  inputs.push_back(mx::astype(rows, mx::int32, s));
-  return mx::array::make_arrays(shapes, types, std::make_shared<WindowFlush>(s, group, bits, value_group), inputs);
+  const auto rows = mx::astype(rows_in, mx::int32, s);
+  const int64_t k = rows.shape(0), H = keys.shape(1), D = keys.shape(3), DK = parts[0].shape(3);
+  const int64_t NV = D / value_group, G = parts[5].shape(2), B = keys.shape(0);
+  // The plan reads these in place: made row-contiguous here (a no-op for the batch's own buffers).
+  const std::vector<mx::array> plan_inputs = {mx::contiguous(parts[11], false, s), mx::contiguous(parts[1], false, s),
+                                              mx::contiguous(keys, false, s), mx::contiguous(parts[8], false, s),
+                                              parts[12], parts[13], parts[14], rows};
+  const std::vector<mx::Shape> plan_shapes = {{(int)k, (int)H, group},     {(int)k, (int)H, group, (int)DK},
+                                              {(int)k, (int)H, group, (int)DK}, {(int)k, (int)H, group, (int)NV},
+                                              {(int)k, (int)H, group, (int)NV}, {(int)k, (int)H, (int)D},
+                                              {(int)k, (int)H, (int)D},   {(int)k, (int)G},
+                                              {(int)k, (int)G},           {(int)B},
+                                              {(int)B},                   {(int)B}};
+  const std::vector<mx::Dtype> plan_types = {mx::int32,   mx::uint8,   mx::uint8, mx::float32, mx::float32, mx::float32,
+                                             mx::float32, mx::int32,   mx::int32, mx::int32,   mx::int32,   mx::int32};
+  auto plan = mx::array::make_arrays(plan_shapes, plan_types,
+                                     std::make_shared<FlushPlan>(s, group, bits, value_group, (int)G), plan_inputs);
+  auto apply = [&](const mx::array& part, Apply kind, std::vector<mx::array> extra) {
+    std::vector<mx::array> inputs = {part, rows, plan[0]};
+    inputs.insert(inputs.end(), extra.begin(), extra.end());
+    return mx::array(part.shape(), part.dtype(), std::make_shared<FlushApply>(s, kind, group), inputs);
+  };
+  const auto region = mx::zeros({(int)parts[1].shape(2)}, mx::bool_, s);  // its shape carries Q to Meta
+  return {apply(parts[0], Apply::Slots, {plan[1]}),
+          apply(parts[1], Apply::KeyGroups, {parts[13], plan[7]}),
+          apply(parts[2], Apply::Slots, {plan[2]}),
+          apply(parts[3], Apply::Slots, {plan[3]}),
+          apply(parts[4], Apply::Slots, {plan[4]}),
+          apply(parts[5], Apply::Scales, {parts[13], plan[5], plan[8]}),
+          apply(parts[6], Apply::Scales, {parts[13], plan[6], plan[8]}),
+          apply(parts[7], Apply::Window, {}),
+          apply(parts[8], Apply::Window, {}),
+          apply(parts[9], Apply::Meta, {region}),
+          apply(parts[10], Apply::Meta, {region}),
+          apply(parts[11], Apply::Meta, {region}),
+          plan[9],
+          plan[10],
+          plan[11]};
 }
 
 }  // namespace
