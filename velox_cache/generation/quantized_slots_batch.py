@@ -193,7 +193,8 @@ class QuantizedSlotsBatch(DecodingBatch):
     def _flush(self, rows: np.ndarray, group: int) -> None:
         """Rows ``rows`` (window groups of ``group`` tokens): the window's first group into their holes.
 
-        Done on those rows alone (taken out, flushed, put back): usually one row of the batch is due.
+        Usually one row of the batch is due: the native op updates its rows in each array in place; the MLX
+        ops work on the due rows taken out of the batch and put back.
         """
         self._scale_room_for(rows)
         index = np.nonzero(rows)[0]
