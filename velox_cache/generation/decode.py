@@ -283,7 +283,7 @@ def _steps_until_a_row_leaves(model, layers: list, in_batch: list[DecodeRow], pi
         for row in in_batch:
             row.pending = None
         chosen, values = _choose_together(in_batch, logits)
-        mx.async_eval(chosen, values, *[layer.scores for layer in layers])
+        mx.async_eval(chosen, values, *[array for layer in layers for array in layer.step_arrays])
         logits, ahead, alone = None, None, False
         if pipelined and not any(row.stops_after_next for row in in_batch):
             try:

@@ -40,6 +40,12 @@ class DecodingBatch(_BaseCache):
         """False when the last call's attention did not reach ``observe_attention``."""
         return self._attended
 
+    @property
+    def step_arrays(self) -> list:
+        """What a decoding loop evaluates with each step's tokens, so that no lazy graph outlives the step
+        (the state a step changes and attention does not read: the scores, and counts kept on the device)."""
+        return [self.scores]
+
     def join_kind(self) -> tuple:
         """What rows must share to decode in one batch of this class (bits, groups, heads, dims, dtypes)."""
         raise NotImplementedError

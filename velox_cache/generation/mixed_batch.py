@@ -85,8 +85,8 @@ class MixedBatch(DecodingBatch):
         return self._in_batch_order(outputs)
 
     @property
-    def scores(self) -> list:
-        return [part.scores for part in self.parts]
+    def step_arrays(self) -> list:
+        return [array for part in self.parts for array in part.step_arrays]
 
     @property
     def state(self):

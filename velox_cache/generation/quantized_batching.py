@@ -69,9 +69,9 @@ class QuantizedFullBatch(DecodingBatch):
     # ----- mlx-lm cache protocol ----------------------------------------------------------
 
     @property
-    def scores(self) -> mx.array:
-        """Nothing is scored (a full cache ranks nothing): the offsets, for callers that evaluate every layer's."""
-        return self._offset
+    def step_arrays(self) -> list:
+        """Nothing is scored (a full cache ranks nothing): the offsets."""
+        return [self._offset]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Each row's new token at its own next window slot; returns every held token as one ``QuantizedKV``."""

@@ -159,8 +159,14 @@ class QuantizedSlotsBatch(DecodingBatch):
 
     @property
     def state(self):
-        names = (*SLOT_PARTS, "key_scales", "key_zeros", "keys", "values", *_META)
+        names = (*SLOT_PARTS, "key_scales", "key_zeros", "keys", "values", *_META, *_DEVICE)
         return [getattr(self, name) for name in names]
+
+    @property
+    def step_arrays(self) -> list:
+        """The scores, and the counts a flush leaves on the device (attention does not read them: unevaluated,
+        each flush's counts would hold the arrays of the one before)."""
+        return [self.scores, *(getattr(self, name) for name in _DEVICE)]
 
     @state.setter
     def state(self, value):
