@@ -114,11 +114,3 @@ def forget_dead_groups(key_groups: mx.array, live: mx.array, counts: mx.array, g
     kept = in_use.astype(mx.int32).sum(axis=1)
     return GroupScales(key_groups, mx.take_along_axis(key_scales, index, axis=2),
                        mx.take_along_axis(key_zeros, index, axis=2), kept, kept < groups)
-
-
-def padded(array: mx.array, width: int) -> mx.array:
-    """``array`` right-padded with zeros (False) to ``width`` along axis 2."""
-    missing = width - array.shape[2]
-    if missing <= 0:
-        return array
-    return mx.concatenate([array, mx.zeros((*array.shape[:2], missing, *array.shape[3:]), array.dtype)], axis=2)

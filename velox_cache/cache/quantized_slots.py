@@ -38,8 +38,8 @@ import numpy as np
 from ..kernels import kv_codes
 from ..kernels.attend import AttentionResult, attend_quantized
 from ..kernels.kv_codes import QuantizedKV
-from .quantized_holes import SLOT_PARTS, forget_dead_groups, padded, quantized_group, write_into_holes
-from .quantized_tokens import GROUP_STEP, grown, slot_bytes, written
+from .quantized_holes import SLOT_PARTS, forget_dead_groups, quantized_group, write_into_holes
+from .quantized_tokens import GROUP_STEP, grown, padded, slot_bytes, written
 from .slots import TokenSlots, protect, recent_limit
 
 

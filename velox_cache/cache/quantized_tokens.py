@@ -204,7 +204,8 @@ class QuantizedTokens:
         self.tail_values = mx.zeros((batch, heads, 0, values.shape[-1]), values.dtype)
 
 
-# Buffer helpers shared with ``velox_cache.cache.quantized_slots`` and ``velox_cache.generation.quantized_batching``.
+# Buffer helpers shared with ``velox_cache.cache.quantized_slots``, ``quantized_holes`` and the quantized batches
+# (``velox_cache.generation.quantized_batching``, ``quantized_slots_batch``).
 
 
 def slot_bytes(array: mx.array) -> int:
@@ -218,6 +219,12 @@ def grown(kept: mx.array, new: Optional[mx.array], spare: int) -> mx.array:
     if spare:
         parts.append(mx.zeros((*kept.shape[:2], spare, *kept.shape[3:]), kept.dtype))
     return mx.concatenate(parts, axis=2) if len(parts) > 1 else mx.array(parts[0])
+
+
+def padded(array: mx.array, width: int) -> mx.array:
+    """``array`` right-padded with zero (False) slots to ``width`` along axis 2 (as it is when already that wide)."""
+    missing = width - array.shape[2]
+    return array if missing <= 0 else grown(array, None, missing)
 
 
 def written(buffer: Optional[mx.array], new: mx.array, start: int, step: int) -> mx.array:

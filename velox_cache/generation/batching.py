@@ -406,9 +406,7 @@ class BatchedLayer(DecodingBatch):
         leaves this batch as it was) when the rows differ in heads, head dims or dtypes
         (``join_refusal``; ``join_layers`` asks every layer before any joins).
         """
-        refusal = self.join_refusal(other)
-        if refusal is not None:
-            raise BatchUnsupported(refusal)
+        self.check_joinable(other)
         width = max(self.keys.shape[2], other.keys.shape[2])
 
         def joined(a: mx.array, b: mx.array) -> mx.array:

@@ -56,3 +56,9 @@ class DecodingBatch(_BaseCache):
             return f"layer {self.layer}: rows of another kind ({type(other).__name__}) join a MixedBatch, not this layer"
         mine, theirs = self.join_kind(), other.join_kind()
         return None if mine == theirs else f"layer {self.layer}: rows differ: {mine} and {theirs}"
+
+    def check_joinable(self, other) -> None:
+        """Raise ``BatchUnsupported`` (this batch unchanged) when ``other``'s rows cannot join it (``join_refusal``)."""
+        refusal = self.join_refusal(other)
+        if refusal is not None:
+            raise BatchUnsupported(refusal)

@@ -138,9 +138,7 @@ class MixedBatch(DecodingBatch):
 
     def join(self, other) -> None:
         """``other``'s rows (a batched layer of any kind, or a mixed one) after this batch's own."""
-        refusal = self.join_refusal(other)
-        if refusal is not None:
-            raise BatchUnsupported(refusal)
+        self.check_joinable(other)
         other_members = other.members if isinstance(other, MixedBatch) else [(0, i) for i in range(len(other.rows))]
         placed = []
         for part in _parts_of(other):

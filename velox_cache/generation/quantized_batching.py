@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache.quantized_tokens import STEP as TOKENS_STEP
-from ..cache.quantized_tokens import grown
+from ..cache.quantized_tokens import padded
 from ..kernels.attend import attend_quantized
 from ..kernels.kv_codes import QuantizedKV
 from .decoding_batch import DecodingBatch
@@ -32,11 +32,6 @@ STEP = 256  # window growth, in tokens
 
 _CODE_PARTS = ("key_codes", "key_groups", "value_codes", "value_scales", "value_zeros")  # per quantized token
 _GROUP_PARTS = ("key_scales", "key_zeros")  # per key group
-
-
-def _pad(array: mx.array, width: int) -> mx.array:
-    """``array`` right-padded with zeros to ``width`` along axis 2."""
-    return array if array.shape[2] >= width else grown(array, None, width - array.shape[2])
 
 
 class QuantizedFullBatch(DecodingBatch):
@@ -58,12 +53,12 @@ class QuantizedFullBatch(DecodingBatch):
         self._offset = mx.array([cache.offset for cache in caches], mx.int32)
         width, groups = int(self.quantized.max()), max(v.key_scales.shape[2] for v in views)
         for name in _CODE_PARTS:
-            setattr(self, name, mx.concatenate([_pad(getattr(v, name), width) for v in views]))
+            setattr(self, name, mx.concatenate([padded(getattr(v, name), width) for v in views]))
         for name in _GROUP_PARTS:
-            setattr(self, name, mx.concatenate([_pad(getattr(v, name), groups) for v in views]))
+            setattr(self, name, mx.concatenate([padded(getattr(v, name), groups) for v in views]))
         room = int(self.tails.max()) + STEP
-        self.keys = mx.concatenate([_pad(v.keys, room) for v in views])
-        self.values = mx.concatenate([_pad(v.values, room) for v in views])
+        self.keys = mx.concatenate([padded(v.keys, room) for v in views])
+        self.values = mx.concatenate([padded(v.values, room) for v in views])
         self._attended = True
 
     # ----- mlx-lm cache protocol ----------------------------------------------------------
@@ -78,7 +73,7 @@ class QuantizedFullBatch(DecodingBatch):
         check_batched_call(self.layer, keys, len(self.caches), self._attended)
         self._attended = False
         if int(self.tails.max()) + 1 > self.keys.shape[2]:
-            self.keys, self.values = _pad(self.keys, self.keys.shape[2] + STEP), _pad(self.values, self.values.shape[2] + STEP)
+            self.keys, self.values = padded(self.keys, self.keys.shape[2] + STEP), padded(self.values, self.values.shape[2] + STEP)
         slot = mx.array(self.tails, mx.int32)[:, None, None, None]
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(slot, keys.shape), keys.astype(self.keys.dtype), axis=2)
         self.values = mx.put_along_axis(self.values, mx.broadcast_to(slot, values.shape),
@@ -129,8 +124,8 @@ class QuantizedFullBatch(DecodingBatch):
         tokens = cache.tokens
         room = tokens.tail_keys.shape[2]  # alone, the window grows to whole steps of STEP when it fills
         room = room if tail <= room else -(-tail // TOKENS_STEP) * TOKENS_STEP
-        tokens.tail_keys = mx.contiguous(_pad(self.keys[index : index + 1, :, :tail], room))
-        tokens.tail_values = mx.contiguous(_pad(self.values[index : index + 1, :, :tail], room))
+        tokens.tail_keys = mx.contiguous(padded(self.keys[index : index + 1, :, :tail], room))
+        tokens.tail_values = mx.contiguous(padded(self.values[index : index + 1, :, :tail], room))
         tokens.tail = tail
         cache.offset = int(np.array(self._offset)[index])
         return [tokens.tail_keys, tokens.tail_values]
@@ -140,15 +135,13 @@ class QuantizedFullBatch(DecodingBatch):
 
     def join(self, other: "QuantizedFullBatch") -> None:
         """``other``'s rows join after this batch's own (continuous batching), every array padded to the wider."""
-        refusal = self.join_refusal(other)
-        if refusal is not None:
-            raise BatchUnsupported(refusal)
+        self.check_joinable(other)
         for names, axis_width in ((_CODE_PARTS, max(self.key_codes.shape[2], other.key_codes.shape[2])),
                                   (_GROUP_PARTS, max(self.key_scales.shape[2], other.key_scales.shape[2])),
                                   (("keys", "values"), max(self.keys.shape[2], other.keys.shape[2]))):
             for name in names:
-                setattr(self, name, mx.concatenate([_pad(getattr(self, name), axis_width),
-                                                    _pad(getattr(other, name), axis_width)]))
+                setattr(self, name, mx.concatenate([padded(getattr(self, name), axis_width),
+                                                    padded(getattr(other, name), axis_width)]))
         self.caches += other.caches
         self.quantized = np.concatenate([self.quantized, other.quantized])
         self.tails = np.concatenate([self.tails, other.tails])

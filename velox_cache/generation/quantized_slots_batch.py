@@ -37,14 +37,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..cache.quantized_holes import (
-    SLOT_PARTS,
-    forget_dead_groups,
-    padded,
-    quantized_group,
-    write_into_holes,
-)
-from ..cache.quantized_tokens import GROUP_STEP
+from ..cache.quantized_holes import SLOT_PARTS, forget_dead_groups, quantized_group, write_into_holes
+from ..cache.quantized_tokens import GROUP_STEP, padded
 from ..cache.signals import fold_heads
 from ..cache.slots import protect, recent_limit
 from ..kernels import native
@@ -306,9 +300,7 @@ class QuantizedSlotsBatch(DecodingBatch):
 
     def join(self, other: "QuantizedSlotsBatch") -> None:
         """``other``'s rows join after this batch's own (continuous batching), every buffer padded to the wider."""
-        refusal = self.join_refusal(other)
-        if refusal is not None:
-            raise BatchUnsupported(refusal)
+        self.check_joinable(other)
         region, window = max(self._region, other._region), max(self.keys.shape[2], other.keys.shape[2])
         groups = max(self.key_scales.shape[2], other.key_scales.shape[2])
         for batch in (self, other):
