@@ -33,7 +33,7 @@ from velox_cache.generation.sampling import TokenSampler
 from .prompting import Prompt
 from .reference import Reference
 from .schedule import decode_within
-from .sampling import TokenChoice, log_softmax
+from .sampling import TokenChoice
 from .spec import GenerationSpec
 
 
@@ -557,14 +557,9 @@ def _compare(first_logprobs: mx.array, logits: Optional[mx.array], reference: Re
     n = len(tokens)
     if n == 0:
         return Fidelity(agreement=1.0, nll_gap=0.0, seconds=0.0)
-    if choice is not None:  # the free-running output's logits processors (repetition penalty), same history
-        logprobs = choice.forced_logprobs(first_logprobs, logits, tokens)
-    else:
-        logprobs = mx.concatenate([first_logprobs] + ([] if logits is None else [log_softmax(logits)]), axis=0)
-    # logprobs [n, V]: row i predicts reference token i
-    targets = mx.array(tokens)
-    matches = (mx.argmax(logprobs, axis=-1) == targets).sum().item()
-    token_logprobs = mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+    # row i predicts reference token i: the free-running output's logits processors (repetition penalty) apply
+    chosen, token_logprobs = (choice or TokenSampler()).forced_choices(first_logprobs, logits, tokens)
+    matches = (chosen == mx.array(tokens)).sum().item()
     gap = sum(reference.logprobs) - token_logprobs.sum().item()
     return Fidelity(agreement=matches / n, nll_gap=gap / n, seconds=0.0)
 

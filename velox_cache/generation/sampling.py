@@ -49,6 +49,23 @@ def greedy_choice(logits: mx.array) -> tuple[mx.array, mx.array]:
     return tokens, mx.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
 
 
+def forced_choice(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
+    """``(tokens, target_logprobs)`` ``[...]`` of logits ``[..., V]`` and targets ``[...]``.
+
+    Each row's greedy token (as ``greedy_choice``) and the log-probability of
+    its target token under the row's ``log_softmax``: what teacher forcing
+    compares. One native pass per row where ``greedy_choice`` has one (the same
+    bits as MLX's log-softmax, ``argmax`` and ``take_along_axis`` on x86); else
+    those MLX ops. Lazy, like them.
+    """
+    ops = native.ops()
+    if ops is not None and hasattr(ops, "forced_choice") and mx.default_device() == mx.cpu:
+        tokens, _, target_logprobs = ops.forced_choice(logits, targets)
+        return tokens, target_logprobs
+    logprobs = log_softmax(logits)
+    return mx.argmax(logprobs, axis=-1), mx.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
+
+
 class TokenSampler:
     """mlx-lm's sampling and logits processors for one sequence, with its token history and random key.
 
@@ -143,3 +160,19 @@ class TokenSampler:
             self.logprobs(logits[i : i + 1], self.prompt + reference[: i + 1]) for i in range(logits.shape[0])
         ]
         return mx.concatenate(rows, axis=0)
+
+    def forced_choices(self, first: mx.array, logits, reference: list[int]) -> tuple[mx.array, mx.array]:
+        """``(tokens [n], reference_logprobs [n])`` of ``forced_logprobs(first, logits, reference)``'s rows.
+
+        Row i's greedy token and the log-probability of ``reference[i]``: ``argmax``
+        and ``take_along_axis`` of those rows, with the same values. Without logits
+        processors, the model's rows go through ``forced_choice`` (one native pass
+        each) instead of a ``[n, V]`` log-softmax.
+        """
+        targets = mx.array(reference)
+        if logits is not None and not self.processors:
+            tokens, logprobs = forced_choice(logits, targets[1:])
+            first_token, first_logprob = mx.argmax(first, axis=-1), first[:, reference[0]]
+            return mx.concatenate([first_token, tokens]), mx.concatenate([first_logprob, logprobs])
+        logprobs = self.forced_logprobs(first, logits, reference)
+        return mx.argmax(logprobs, axis=-1), mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]

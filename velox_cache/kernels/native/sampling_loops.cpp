@@ -73,7 +73,8 @@ inline Floats mlx_exp(Floats x_init) {
   return result;
 }
 
-void greedy(const float* x, int64_t n, float* scratch, uint32_t* token, float* logprob) {
+void greedy(const float* x, int64_t n, float* scratch, uint32_t* token, float* logprob, int64_t target,
+            float* target_logprob) {
   const float maximum = row_maximum(x, n);  // NaN if any logit is, as MLX's simd::maximum gives
 
   // exp(x - maximum), then their sum in index order
@@ -127,6 +128,7 @@ void greedy(const float* x, int64_t n, float* scratch, uint32_t* token, float* l
   }
   *token = index;
   *logprob = top;
+  if (target_logprob != nullptr) *target_logprob = target >= 0 && target < n ? x[target] - lse : NAN;
 }
 
 }  // namespace
