@@ -106,19 +106,26 @@ WEIGHTS_MODES = ("float32", "float16", "bfloat16", "quantized")
 
 
 def weights_mode(requested: str | None = None) -> str:
-    """``float32`` on the CPU backend, else ``quantized``.
+    """``quantized`` (the model as it ships), except on a CPU without Velox's native quantized matmul: ``float32``.
 
     ``requested`` (or ``$VELOX_WEIGHTS``) overrides: ``float32``, ``float16``,
     ``bfloat16`` or ``quantized`` (the model's own quantization: for a GGUF its
     4-bit / 8-bit blocks; on the CPU its linear layers run Velox's native
     quantized matmul where it is built, ``velox_cache.kernels.quantized``).
+    MLX's own CPU ``quantized_matmul`` is scalar, so a CPU where the native one
+    is not in use (not built, ``VELOX_QUANTIZED=0``, ``VELOX_NATIVE=0``)
+    computes on float32 weights unless asked otherwise.
     """
     mode = requested or os.environ.get("VELOX_WEIGHTS")
     if mode:
         if mode not in WEIGHTS_MODES:
             raise ValueError(f"weights: '{mode}' is not one of {', '.join(WEIGHTS_MODES)}")
         return mode
-    return "float32" if backend_name() == "cpu" else "quantized"
+    if backend_name() != "cpu":
+        return "quantized"
+    from velox_cache.kernels import quantized
+
+    return "quantized" if quantized.available() else "float32"
 
 
 def hashed_weights(requested: str | None = None) -> dict:

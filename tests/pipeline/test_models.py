@@ -90,9 +90,17 @@ def test_unknown_model_name_lists_the_accepted_forms(models_dir):
 
 
 def test_weights_follow_the_backend_and_can_be_overridden(monkeypatch):
+    from velox_cache.kernels import quantized
+
+    monkeypatch.delenv("VELOX_WEIGHTS", raising=False)
     monkeypatch.setattr(model_store, "backend_name", lambda: "metal")
+    monkeypatch.setattr(quantized, "available", lambda: False)
     assert model_store.weights_mode() == "quantized"
     monkeypatch.setattr(model_store, "backend_name", lambda: "cpu")
+    assert model_store.weights_mode() == "float32"  # MLX's CPU quantized matmul is scalar: not the default
+    monkeypatch.setattr(quantized, "available", lambda: True)
+    assert model_store.weights_mode() == "quantized"  # on Velox's native quantized matmul
+    monkeypatch.setenv("VELOX_WEIGHTS", "float32")
     assert model_store.weights_mode() == "float32"
     assert model_store.weights_mode("quantized") == "quantized"
     with pytest.raises(ValueError, match="weights"):
@@ -127,9 +135,11 @@ def test_a_gguf_path_names_a_model(models_dir, embedded_gguf):
     assert model_store.resolve_model(str(directory)) == directory  # an mlx-lm directory names itself
 
 
-def test_weights_dequantized_exactly_key_other_rows_than_those_of_the_float16_rounding(job, tmp_path):
+def test_weights_dequantized_exactly_key_other_rows_than_those_of_the_float16_rounding(job, tmp_path, monkeypatch):
     """Rows stored before the float32 weights were ggml's exact values came from other weights: other keys."""
     from pipeline.spec import load_spec
+
+    monkeypatch.setenv("VELOX_WEIGHTS", "float32")
     from tests.pipeline.helpers import invoke, rows, write_corpus
 
     assert model_store.hashed_weights("float32") == {"weights": "float32", "dequantized": "exact"}
