@@ -230,6 +230,15 @@ class HeldRows(NamedTuple):
         return cls(rows, width, *padded, head_stored, flat)
 
 
+def held_counts(cache, layer: int) -> tuple[int, int, bool]:
+    """``(offset, stored, pooled)`` of one layer's cache as a batch would take it, without gathering its tokens.
+
+    Raises ``BatchUnsupported`` where it cannot join a batch.
+    """
+    row = _Row.of(cache, layer)
+    return row.offset, row.stored, row.pooled
+
+
 def _held(row: _Row):
     """``(keys, values, scores, positions, head counts [H], flat slots [1, H, T])`` one row holds now, head by head."""
     if row.evicting:

@@ -11,7 +11,9 @@ tokens and new tokens ``0 .. i``: what the row's own cache would show it. A
 row with per-head budgets (``HeadPooledSlots``) holds each head's tokens on
 the head axis (as ``BatchedLayer`` does), each query head seeing its KV head's. No
 token is evicted during the call (as when one stack is fed alone: a
-multi-token call is attended whole before any eviction).
+multi-token call is attended whole before any eviction). Rows alike (stacks
+holding the same keys and values at the same offsets, fed the same tokens, as
+a frontier's points whose budgets keep the whole prompt) are computed once.
 
 The stacks are used up (feed snapshots): what they hold afterwards is not
 defined. The model's attention must be routed (``velox_cache.observe`` or
@@ -27,7 +29,7 @@ from mlx_lm.models.cache import _BaseCache
 
 from ..kernels.attend import attend_and_score
 from ..kernels.observe import is_routed
-from .batching import BatchUnsupported, HeldRows
+from .batching import BatchUnsupported, HeldRows, held_counts
 
 PAD_TOKEN = 0  # fed after a shorter row's tokens; its outputs are never read
 
@@ -109,10 +111,42 @@ def feed_together(model, stacks: list[list], sequences: Sequence[Sequence[int]])
     depth = {len(stack) for stack in stacks}
     if len(depth) > 1:
         raise BatchUnsupported(f"rows have stacks of different depths {sorted(depth)}: not the same model")
-    layers = [ForcedLayer([stack[layer] for stack in stacks], layer) for layer in range(len(stacks[0]))]
-    longest = max(len(tokens) for tokens in sequences)
-    tokens = mx.array([list(t) + [PAD_TOKEN] * (longest - len(t)) for t in sequences])
+    first = first_alike(stacks, sequences)
+    distinct = sorted(set(first))
+    layers = [ForcedLayer([stacks[row][layer] for row in distinct], layer) for layer in range(len(stacks[0]))]
+    longest = max(len(sequences[row]) for row in distinct)
+    tokens = mx.array([list(sequences[row]) + [PAD_TOKEN] * (longest - len(sequences[row])) for row in distinct])
     logits = model(tokens, cache=layers)
     if not all(layer.attended for layer in layers):
         raise BatchUnsupported("the model's attention did not reach the batched caches (not routable)")
-    return [logits[row, : len(t)] for row, t in enumerate(sequences)]
+    place = {row: i for i, row in enumerate(distinct)}
+    return [logits[place[first[row]], : len(t)] for row, t in enumerate(sequences)]
+
+
+def first_alike(stacks: list[list], sequences: Sequence[Sequence[int]]) -> list[int]:
+    """For each row, the first row alike (itself where none is): the same tokens fed to a stack holding the same.
+
+    Alike: at every layer the same offset and, head by head, the same held keys and
+    values in the same order. Such rows' logits are the same numbers, so one of
+    them is fed. Compared where the fed tokens and every layer's counts agree (a
+    stack that cannot be batched raises ``BatchUnsupported``, as feeding it would).
+    """
+    counts = [(tuple(sequence), tuple(held_counts(cache, layer) for layer, cache in enumerate(stack)))
+              for stack, sequence in zip(stacks, sequences)]
+    first = []
+    for row, signature in enumerate(counts):
+        earlier = next((f for f in dict.fromkeys(first) if counts[f] == signature and _same_held(stacks[f], stacks[row])), row)
+        first.append(earlier)
+    return first
+
+
+def _same_held(one: list, other: list) -> bool:
+    """Whether two stacks hold, layer by layer and head by head, the same keys and values in the same order."""
+    checks = []
+    for layer, (a, b) in enumerate(zip(one, other)):
+        held_a, held_b = HeldRows.of([a], layer), HeldRows.of([b], layer)
+        if held_a.keys.shape != held_b.keys.shape or held_a.values.shape != held_b.values.shape \
+                or (held_a.head_stored != held_b.head_stored).any():
+            return False
+        checks += [mx.array_equal(held_a.keys, held_b.keys), mx.array_equal(held_a.values, held_b.values)]
+    return bool(mx.all(mx.stack(checks)).item()) if checks else True
