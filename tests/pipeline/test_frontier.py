@@ -132,3 +132,21 @@ def test_a_points_seconds_do_not_depend_on_which_budget_was_cut_first(job, tmp_p
     per_document = rows(db, "select document_id, variant, count(*), count(distinct seconds), min(seconds) > 0 "
                             "from frontier where status = 'done' group by 1, 2 order by 1, 2")
     assert per_document == [(d, v, 3, 1, 1) for d in ("doc-0", "doc-1") for v in ("pyramid", "squeeze")]
+
+
+def test_points_whose_budgets_keep_the_whole_prompt_measure_the_same(job, tmp_path):
+    """Stacks holding every prompt token are forced as one row: each such point gets that row's figures,
+    as it gets them forced beside no other point alike."""
+    write_corpus(tmp_path / "corpus.parquet", n=2)
+    assert invoke("run", job(frontier={"budgets": [8, 4096, 8192]}), "-q").exit_code == 0
+    assert invoke("run", job(frontier={"budgets": [8, 4096]}, output={"db": str(tmp_path / "one.db")}),
+                  "-q").exit_code == 0
+    keep_all = "select document_id, agreement_vs_full, nll_gap_vs_full from frontier where kept_share = 1 and {} order by 1, variant"
+    together = rows(tmp_path / "store.db", keep_all.format("1"))
+    assert len(together) == 8
+    for document in ("doc-0", "doc-1"):
+        figures = {(agreement, gap) for doc, agreement, gap in together if doc == document}
+        assert len(figures) == 1  # both policies at both budgets: one row's figures
+    alone = rows(tmp_path / "one.db", keep_all.format("budget = '4096'"))
+    for (doc, agreement, gap), (doc_alone, agreement_alone, gap_alone) in zip(together[::4], alone[::2]):
+        assert doc == doc_alone and agreement == agreement_alone and gap == pytest.approx(gap_alone, abs=1e-5)

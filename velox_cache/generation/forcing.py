@@ -133,10 +133,12 @@ def first_alike(stacks: list[list], sequences: Sequence[Sequence[int]]) -> list[
     """
     counts = [(tuple(sequence), tuple(held_counts(cache, layer) for layer, cache in enumerate(stack)))
               for stack, sequence in zip(stacks, sequences)]
-    first = []
+    first, distinct = [], []
     for row, signature in enumerate(counts):
-        earlier = next((f for f in dict.fromkeys(first) if counts[f] == signature and _same_held(stacks[f], stacks[row])), row)
-        first.append(earlier)
+        alike = next((d for d in distinct if counts[d] == signature and _same_held(stacks[d], stacks[row])), None)
+        if alike is None:
+            distinct.append(row)
+        first.append(row if alike is None else alike)
     return first
 
 

@@ -33,6 +33,12 @@ def log_softmax(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
+def _native_with(op: str):
+    """Velox's native ops where they are built with ``op`` and the stream is the CPU's; else None."""
+    ops = native.ops()
+    return ops if ops is not None and hasattr(ops, op) and mx.default_device() == mx.cpu else None
+
+
 def greedy_choice(logits: mx.array) -> tuple[mx.array, mx.array]:
     """``(tokens, logprobs)`` ``[...]`` of logits ``[..., V]``: each row's argmax of ``log_softmax`` and its value.
 
@@ -41,8 +47,8 @@ def greedy_choice(logits: mx.array) -> tuple[mx.array, mx.array]:
     subtract and ``argmax`` on x86 (about 9x faster for 32 rows of SmolLM2's
     49,152 logits); else those MLX ops. Lazy, like them.
     """
-    ops = native.ops()
-    if ops is not None and hasattr(ops, "greedy_choice") and mx.default_device() == mx.cpu:
+    ops = _native_with("greedy_choice")
+    if ops is not None:
         return ops.greedy_choice(logits)
     logprobs = log_softmax(logits)
     tokens = mx.argmax(logprobs, axis=-1)
@@ -58,8 +64,8 @@ def forced_choice(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.arr
     bits as MLX's log-softmax, ``argmax`` and ``take_along_axis`` on x86); else
     those MLX ops. Lazy, like them.
     """
-    ops = native.ops()
-    if ops is not None and hasattr(ops, "forced_choice") and mx.default_device() == mx.cpu:
+    ops = _native_with("forced_choice")
+    if ops is not None:
         tokens, _, target_logprobs = ops.forced_choice(logits, targets)
         return tokens, target_logprobs
     logprobs = log_softmax(logits)

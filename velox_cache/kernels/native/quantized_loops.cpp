@@ -270,7 +270,7 @@ void panel_row(const QuantizedProblem& p, int64_t n, float* to) {
 // (which loads it again for every row of a tile).
 inline void in_register(Floats& v) {
 #if defined(__x86_64__) && defined(__AVX__)
-  __asm__("" : "+x"(v));
+  __asm__("" : "+v"(v));  // "v": any vector register the instruction set encodes (zmm16-31 with AVX-512)
 #else
   (void)v;
 #endif
