@@ -352,11 +352,21 @@ class BatchedLayer(DecodingBatch):
 
     @property
     def state(self):
-        return [self.keys, self.values, self.scores, self.positions]
+        """Every array held: the buffers, and each slot's flat index where a row has per-head budgets (``_flat``)."""
+        return [self.keys, self.values, self.scores, self.positions, *self._flat_kept()]
 
     @state.setter
     def state(self, value):
         raise NotImplementedError("a BatchedLayer cannot be restored from a saved state")
+
+    @property
+    def step_arrays(self) -> list:
+        """The scores, and the flat slots of per-head rows: no later step reads them before ``extract``, so
+        unevaluated each step's would hold the one before (a graph growing with every token)."""
+        return [self.scores, *self._flat_kept()]
+
+    def _flat_kept(self) -> list:
+        return [] if self._flat is None else [self._flat]
 
     def size(self) -> int:
         return int(self.counts.head_stored.max())

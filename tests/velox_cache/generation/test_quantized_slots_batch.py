@@ -143,20 +143,3 @@ def test_the_native_flush_is_the_mlx_flush_bit_for_bit(tiny_model, monkeypatch, 
         held.append([np.array(a) for layer in layers for a in (*layer.state, layer.quantized, layer.groups,
                                                                 layer.scale_room)])
     assert all(np.array_equal(a, b) for a, b in zip(*held))
-
-
-def test_every_array_a_batch_keeps_is_in_its_state(tiny_model):
-    """ARCHITECTURE.md: every array a cache keeps is reachable from ``state`` (or lazy graphs grow without bound);
-    the device counts a flush leaves are evaluated with every step (``step_arrays``)."""
-    model, tokenizer = tiny_model
-    rows, context = _rows(model, tokenizer, [80, 120], POLICY_CONFIGS["h2o"], steps=5)
-    layers = batch_layers([row.caches for row in rows])
-    with context(model):
-        for step in range(15):  # past a flush
-            model(mx.array([[step + 3], [step + 4]]), cache=layers)
-    for layer in layers:
-        state = {id(array) for array in layer.state}
-        kept = [name for name, value in vars(layer).items() if isinstance(value, mx.array) and not name.startswith("_")]
-        assert kept and all(id(getattr(layer, name)) in state for name in kept), kept
-        assert {id(array) for array in layer.step_arrays} <= state | {id(layer.scores)}
-        assert {"quantized", "groups", "scale_room"} <= set(kept)
