@@ -283,7 +283,7 @@ def output_is_draft(settings, configs) -> bool:
 
 def point_config(point: FrontierPoint):
     """The config of a frontier point: its variant's cache at the point's budget and ``kv_bits``."""
-    return replace(point.variant.cache, budget=point.budget, resolved_budget=None, kv_bits=point.kv_bits)
+    return point.variant.at_point(point.budget, point.kv_bits)
 
 
 def measure_frontier(model, tokenizer, item: WorkItem, references: References,

@@ -102,6 +102,34 @@ def validate(spec: JobSpec) -> None:
     if lim.max_documents is not None and lim.max_documents < 1:
         raise SpecError(f"limits.max_documents: must be at least 1, got {lim.max_documents}")
     _validate_engine(spec.engine)
+    _check_frontier_points(spec)
+
+
+def _check_frontier_points(spec: JobSpec) -> None:
+    """Every frontier point can be built: each compressed variant's policy at each budget and ``kv_bits``.
+
+    A budget below what the variant must keep (``n_sink + 1``) names ``frontier.budgets[i]``; a bits
+    level the variant cannot hold (``head_budgets: adaptive`` at ``kv_bits``) names ``frontier.bits[j]``.
+    """
+    from velox_cache.config import ConfigError  # velox_cache loads MLX: only here
+
+    for variant in spec.variants:
+        if variant.cache.method == "full":
+            continue
+        for i, budget in enumerate(spec.frontier.budgets):
+            try:
+                variant.at_point(budget, variant.cache.kv_bits)
+            except ConfigError as exc:
+                least = variant.cache.n_sink + 1
+                raise SpecError(
+                    f"frontier.budgets[{i}]: variant '{variant.name}' must keep at least {least} tokens "
+                    f"(n_sink {variant.cache.n_sink} + 1), got {budget!r}"
+                ) from exc
+        for j, bits in enumerate(spec.frontier.bits):
+            try:
+                variant.at_point(variant.cache.budget, bits)
+            except ConfigError as exc:
+                raise SpecError(f"frontier.bits[{j}]: variant '{variant.name}' cannot be measured at {bits!r}: {exc}") from None
 
 
 def _validate_engine(engine: EngineSpec) -> None:

@@ -101,6 +101,12 @@ def _variants(raw: dict, where: str) -> list[Variant]:
             config = KVCacheConfig.from_dict(item, where=item_where)
         except ConfigError as exc:
             raise SpecError(str(exc)) from None
+        if auto:
+            try:  # how it reads a document past the context (Variant.for_document)
+                dataclasses.replace(config, eviction="streaming")
+            except ConfigError as exc:
+                raise SpecError(f"{item_where}.eviction: 'auto' streams a document past the model's context, "
+                                f"where {exc}") from None
         if config.method == "full" and config.kv_bits:
             raise SpecError(
                 f"{item_where}.kv_bits: the full variant is the job's reference (every other variant is compared to "

@@ -134,6 +134,14 @@ class Variant:
             return self
         return dataclasses.replace(self, cache=dataclasses.replace(self.cache, eviction="streaming"))
 
+    def at_point(self, budget, kv_bits: Optional[int]) -> KVCacheConfig:
+        """The cache of one frontier point: this variant's policy at ``budget`` with kept tokens at ``kv_bits``.
+
+        Raises ``ConfigError`` where the variant cannot be measured there (a budget below ``n_sink + 1``,
+        ``kv_bits`` on per-head budgets): ``checks.validate`` refuses such a spec when it loads.
+        """
+        return dataclasses.replace(self.cache, budget=budget, resolved_budget=None, kv_bits=kv_bits)
+
 
 @dataclass
 class JobSpec:
