@@ -30,6 +30,12 @@ def settle(store: Store, run_id: int, plan: DocumentPlan, entry: VariantPlan) ->
     return entry.state
 
 
+def settle_frontier(store: Store, plan: DocumentPlan) -> None:
+    """Make the frontier points stored under today's settings the latest of their document × variant × budget × bits
+    (settings that revert to earlier ones find their rows stored, and those rows are the current ones again)."""
+    store.make_frontier_latest(plan.frontier_stored)
+
+
 def save_outcomes(
     store: Store, run_id: int, plan: DocumentPlan, outcomes: list[VariantOutcome | FrontierOutcome]
 ) -> dict[str, tuple[str, Optional[float]]]:

@@ -134,6 +134,7 @@ class DocumentPlan:
     work: Optional[WorkItem] = None  # None when nothing is due
     streamed: Optional[PreparedDocument] = None  # the streaming variants' prompt, when it differs
     full_outputs: dict[str, Optional[str]] = field(default_factory=dict)
+    frontier_stored: list[str] = field(default_factory=list)  # keys of this prompt's points stored under today's settings
 
     def entry(self, variant_name: str) -> VariantPlan:
         return next(entry for entry in self.variants if entry.variant.name == variant_name)
@@ -262,6 +263,7 @@ def _frontier_due(spec: JobSpec, store, plan: DocumentPlan, force: bool) -> list
         for bits in (spec.frontier.bits or [variant.cache.kv_bits])
     ]
     settled = set() if force else store.settled_frontier([point.key for point in points])
+    plan.frontier_stored = [point.key for point in points if point.key in settled]
     return [point for point in points if point.key not in settled]
 
 

@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Optional
 
 from . import model_store
 from .engines import BadModel, EngineUnavailable, make_engine
-from .persist import save_outcomes, settle
+from .persist import save_outcomes, settle, settle_frontier
 from .plan import DocumentPlan, plan_documents, streams
 from .platform import loaded_blas, package_version
 from .source import count_documents, open_dataset
@@ -240,6 +240,7 @@ def _run_locked(spec, store, dataset, engine, force, quiet, progress_stream, gua
             """Settle what needs no running, in input order; hand the rest to the engine."""
             for plan in plan_documents(spec, dataset, store, tokenizer, context, settings_hash, force=force):
                 settled = [settle(store, run_id, plan, entry) for entry in plan.variants if entry.state != "due"]
+                settle_frontier(store, plan)
                 if plan.work is None:
                     document_finished(plan, settled, [])
                 else:

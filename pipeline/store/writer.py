@@ -263,11 +263,31 @@ class Store:
             for row in rows:
                 self.db.execute("delete from frontier where frontier_key = ?", [row["frontier_key"]])
                 point = self.db["frontier"].insert({**row, "created_at": now(), "is_latest": 1}).last_pk
-                self.db.execute(
-                    "update frontier set is_latest = (id = ?) where document_id = ? and variant = ? and budget = ? "
-                    "and kv_bits is ?",
-                    [point, row["document_id"], row["variant"], row["budget"], row.get("kv_bits")],
-                )
+                self._make_frontier_latest(point, row["document_id"], row["variant"], row["budget"], row.get("kv_bits"))
+
+    def make_frontier_latest(self, keys: list[str]) -> None:
+        """Mark the stored points of ``keys`` (``frontier_key``) the latest of their document × variant × budget ×
+        bits (a rerun whose settings went back to theirs reuses them)."""
+        stale = []
+        for begin in range(0, len(keys), 500):
+            chunk = keys[begin : begin + 500]
+            marks = ", ".join("?" * len(chunk))
+            stale += self.db.execute(
+                f"select id, document_id, variant, budget, kv_bits from frontier where frontier_key in ({marks}) "
+                "and status in ('done', 'skipped') and is_latest = 0",
+                chunk,
+            ).fetchall()
+        if stale:
+            with self._write():
+                for point in stale:
+                    self._make_frontier_latest(*point)
+
+    def _make_frontier_latest(self, point: int, document_id: str, variant: str, budget: str, kv_bits) -> None:
+        self.db.execute(
+            "update frontier set is_latest = (id = ?) where document_id = ? and variant = ? and budget = ? "
+            "and kv_bits is ?",
+            [point, document_id, variant, budget, kv_bits],
+        )
 
     def full_reference(self, document_id: str, prompt_hash: str, settings_hash: str) -> Optional[dict]:
         """The stored full-cache result for the same prompt tokens and settings, if any.

@@ -32,6 +32,26 @@ def test_a_changed_variant_is_measured_again_and_its_old_points_leave_the_summar
     assert rows(db, summary) == EVERY_POINT, "the summary reads the latest points only"
 
 
+def test_settings_reverted_make_their_stored_points_the_latest_again(job, tmp_path):
+    """Run A, change a variant (run B), revert to A: A's points are found stored, and are the latest again."""
+    write_corpus(tmp_path / "corpus.parquet", n=2)
+    db = tmp_path / "store.db"
+    changed = [
+        {"name": "full", "method": "full"},
+        {"name": "pyramid", "method": "pyramidkv", "budget": 24, "kernel": 3},
+        {"name": "squeeze", "method": "squeeze", "budget": 24},
+    ]
+    points = "select id from frontier where variant = 'pyramid' {} order by id"
+    assert invoke("run", job(frontier=BUDGETS), "-q").exit_code == 0
+    first = rows(db, points.format(""))
+    assert invoke("run", job(frontier=BUDGETS, variants=changed), "-q").exit_code == 0
+    assert rows(db, points.format("and is_latest = 1")) != first
+    assert invoke("run", job(frontier=BUDGETS), "-q").exit_code == 0
+    assert rows(db, points.format("and is_latest = 1")) == first
+    assert rows(db, "select count(*) from frontier") == [(12,)], "nothing measured again"
+    assert rows(db, LATEST) == [(v, b, 2) for v, b, _ in EVERY_POINT]
+
+
 def test_a_frontier_added_to_a_store_is_measured_for_the_documents_already_done(job, tmp_path):
     write_corpus(tmp_path / "corpus.parquet", n=3)
     db = tmp_path / "store.db"
