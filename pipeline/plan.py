@@ -26,7 +26,7 @@ from typing import Iterator, Optional
 from .prompting import Prompt, PromptTooLong, build_prompt, tokens_hash
 from .reference import Reference
 from .source import Document, iter_documents
-from .spec import GenerationSpec, JobSpec, Variant, variant_hash
+from .spec import GenerationSpec, JobSpec, Variant, quantization_settings, variant_hash
 
 
 @dataclass
@@ -109,10 +109,13 @@ class FrontierPoint:
 def frontier_key(document_id: str, basis: str, settings_hash: str, variant: Variant, budget,
                  kv_bits: Optional[int] = None) -> str:
     """What decides one frontier point: prompt tokens, model and generation, the variant's settings, the budget
-    and its ``kv_bits`` (named only where it is not the variant's own, so that other points keep their keys)."""
+    and how its kept tokens are quantized (named only where ``kv_bits`` is not the variant's own, so that other
+    points keep their keys: the bits, and the group size and float window they run with)."""
     parts = [document_id, basis, settings_hash, variant_hash(variant), str(budget)]
     if kv_bits != variant.cache.kv_bits:
         parts.append(f"kv_bits={kv_bits}")
+        if kv_bits is not None:
+            parts.append(quantization_settings(variant.at_point(budget, kv_bits)))
     raw = json.dumps(parts)
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 

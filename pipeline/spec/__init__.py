@@ -18,11 +18,12 @@ from .model import (
     OutputSpec,
     Variant,
     input_files,
+    quantization_settings,
     variant_hash,
 )
 
 __all__ = [
     "ENGINES", "ON_TOO_LONG", "SEED_LIMIT", "EngineSpec", "GenerationSpec", "InputSpec", "JobSpec", "LimitsSpec",
     "OutputSpec", "SpecError", "Variant", "input_files", "load_spec", "parse_spec", "template_fields", "validate",
-    "variant_hash",
+    "quantization_settings", "variant_hash",
 ]

@@ -239,14 +239,20 @@ def _hash(data: Any) -> str:
 QUANTIZATION_FIELDS = ("kv_bits", "kv_group_size", "kv_window")  # hashed only where kv_bits is set
 
 
+def quantization_settings(cache: KVCacheConfig) -> dict:
+    """What decides how ``cache``'s kept tokens are quantized, resolved as they run: ``kv_bits``, the group
+    size it takes (its default depends on the bits and the method) and ``kv_window``; empty for float."""
+    if cache.kv_bits is None:
+        return {}
+    return {"kv_bits": cache.kv_bits, "kv_group_size": cache.kv_group, "kv_window": cache.kv_window}
+
+
 def variant_hash(variant: Variant) -> str:
-    """The variant's identity in the store: its name and every cache field (the quantization fields only where
-    ``kv_bits`` is set, so a float variant keeps the hash it had before they existed)."""
+    """The variant's identity in the store: its name and every cache field (the quantization fields resolved,
+    and only where ``kv_bits`` is set, so a float variant keeps the hash it had before they existed)."""
     auto = {"auto_eviction": True} if variant.auto_eviction else {}
-    cache = dataclasses.asdict(variant.cache)
-    if cache.get("kv_bits") is None:
-        cache = {k: v for k, v in cache.items() if k not in QUANTIZATION_FIELDS}
-    return _hash({"name": variant.name, **cache, **auto})
+    cache = {k: v for k, v in dataclasses.asdict(variant.cache).items() if k not in QUANTIZATION_FIELDS}
+    return _hash({"name": variant.name, **cache, **quantization_settings(variant.cache), **auto})
 
 
 def input_files(spec: JobSpec) -> list[Path]:

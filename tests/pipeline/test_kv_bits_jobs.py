@@ -100,3 +100,35 @@ def test_frontier_bits_name_the_bad_level(job):
 
     with pytest.raises(SpecError, match=r"frontier\.bits\[1\]: 3 is not null"):
         load_spec(job(frontier={"budgets": [16], "bits": [8, 3]}))
+
+
+def test_a_frontier_bits_points_key_holds_its_group_size_and_window(job, tmp_path):
+    """Points at other bits than their variant's run at the job's kv_group_size and kv_window: a rerun at
+    other ones measures them anew (and the float points, which neither changes, are kept)."""
+    write_corpus(tmp_path / "corpus.parquet", n=2)
+    db = tmp_path / "store.db"
+    frontier = {"budgets": [24], "bits": [None, 8]}
+    assert invoke("run", job(frontier=frontier, variants=QUANTIZED[:2]), "-q").exit_code == 0
+    for changed in ({"kv_group_size": 4}, {"kv_group_size": 4, "kv_window": 8}):
+        # a float variant's quantization fields change none of its own rows: only its points at 8 bits
+        variants = [QUANTIZED[0], {**QUANTIZED[1], **changed}]
+        assert invoke("run", job(frontier=frontier, variants=variants), "-q").exit_code == 0
+    measured = rows(db, "select kv_bits, count(*) from frontier group by 1 order by 1")
+    assert measured == [(None, 2), (8, 6)], "each setting's 8-bit points measured anew, the float ones kept"
+
+
+def test_a_rows_key_holds_the_group_size_it_ran_with_not_the_one_written(job, tmp_path, monkeypatch):
+    """A kv_bits variant that leaves kv_group_size open runs at a default that depends on its bits and
+    method: the key holds the group it ran with, so another default measures the rows anew."""
+    import velox_cache.config
+
+    write_corpus(tmp_path / "corpus.parquet", n=2)
+    db = tmp_path / "store.db"
+    variants = [QUANTIZED[0], QUANTIZED[2]]
+    assert invoke("run", job(variants=variants), "-q").exit_code == 0
+    assert invoke("run", job(variants=variants), "-q").exit_code == 0
+    assert rows(db, "select count(*) from documents where variant = 'pyramid-8'") == [(2,)], "same settings: kept"
+    monkeypatch.setitem(velox_cache.config.EVICTING_KV_GROUP, 8, 8)
+    assert invoke("run", job(variants=variants), "-q").exit_code == 0
+    assert rows(db, "select count(*) from documents where variant = 'pyramid-8'") == [(4,)]
+    assert rows(db, "select count(*) from documents where variant = 'full'") == [(2,)]
