@@ -42,6 +42,9 @@ def _native_ops(report: Report) -> None:
     status = native.status()
     ops = native.ops()
     report.add("Velox native ops", f"{status} ({ops.instruction_set()})" if ops is not None else status)
+    from . import model_store
+
+    report.add("weights", " ".join(model_store.hashed_weights().values()))
     if status.startswith(("not built", "built but unusable", "built for mlx")):
         report.advice.append(
             "Velox's native CPU ops are not in use: prefill runs ~1.5x slower. Fix: apt-get install g++ cmake, "

@@ -131,13 +131,28 @@ def weights_mode(requested: str | None = None) -> str:
 def hashed_weights(requested: str | None = None) -> dict:
     """What of the weights decides an output, for the store's keys (``JobSpec.output_settings_hash``).
 
-    The mode, and for weights dequantized from the model's own blocks that they are
+    The mode; for quantized weights the kernels they run on (``quantized_kernels``); for weights
+    dequantized from the model's own blocks that they are
     dequantized exactly (``dequantize_exactly``): rows stored when MLX's dequantize
     rounded through the scales' float16 came from other weights, so their keys differ
     and a rerun redoes them instead of keeping their outputs as current.
     """
     mode = weights_mode(requested)
-    return {"weights": mode} if mode == "quantized" else {"weights": mode, "dequantized": "exact"}
+    if mode != "quantized":
+        return {"weights": mode, "dequantized": "exact"}
+    return {"weights": mode, "kernels": quantized_kernels()}
+
+
+def quantized_kernels() -> str:
+    """The path quantized weights take here (``load_model``): on the CPU routed layers (float32 embedding
+    scales) on Velox's native matmul or MLX's (``velox_cache.kernels.quantized.kernel_path``), elsewhere
+    MLX's own layers on that backend. Outputs differ between paths: two stores never share their rows."""
+    backend = backend_name()
+    if backend != "cpu":
+        return f"mlx-{backend}"
+    from velox_cache.kernels import quantized
+
+    return f"routed-{quantized.kernel_path()}"
 
 
 def dequantize_exactly(model, dtype) -> None:

@@ -206,7 +206,8 @@ def _run_locked(spec, store, dataset, engine, force, quiet, progress_stream, gua
             "velox_version": package_version("velox"),
             "mlx_version": package_version("mlx"),
             "mlx_lm_version": package_version("mlx-lm"),
-            "device": f"{mx.default_device()} ({model_store.backend_name()}; BLAS: {loaded_blas()})",
+            "device": f"{mx.default_device()} ({model_store.backend_name()}; BLAS: {loaded_blas()}; "
+                      f"weights: {' '.join(model_store.hashed_weights().values())})",
             "host": socket.gethostname(),
             "documents_total": total * len(spec.variants),
             "engine": engine.name,

@@ -143,7 +143,7 @@ def test_weights_dequantized_exactly_key_other_rows_than_those_of_the_float16_ro
     from tests.pipeline.helpers import invoke, rows, write_corpus
 
     assert model_store.hashed_weights("float32") == {"weights": "float32", "dequantized": "exact"}
-    assert model_store.hashed_weights("quantized") == {"weights": "quantized"}
+    assert model_store.hashed_weights("quantized") == {"weights": "quantized", "kernels": model_store.quantized_kernels()}
     write_corpus(tmp_path / "corpus.parquet", n=1)
     path = job(variants=[{"name": "full", "method": "full"}])
     assert invoke("run", path, "-q").exit_code == 0
@@ -151,3 +151,24 @@ def test_weights_dequantized_exactly_key_other_rows_than_those_of_the_float16_ro
     before = spec.output_settings_hash(weights=model_store.weights_mode())
     stored = rows(tmp_path / "store.db", "select settings_hash from documents")
     assert stored == [(spec.output_settings_hash(**model_store.hashed_weights()),)] and stored != [(before,)]
+
+
+def test_quantized_rows_are_keyed_by_the_kernels_that_ran(job, tmp_path, monkeypatch):
+    """The native 4-bit matmul and MLX's give other outputs: a store written on one path never serves the other."""
+    from velox_cache.kernels import native, quantized
+    from tests.pipeline.helpers import invoke, rows, write_corpus
+
+    monkeypatch.setenv("VELOX_WEIGHTS", "quantized")
+    write_corpus(tmp_path / "corpus.parquet", n=1)
+    path = job(variants=[{"name": "full", "method": "full"}])
+    monkeypatch.setenv(quantized.ENVIRONMENT_VARIABLE, "0")
+    assert model_store.quantized_kernels() in ("routed-mlx", f"mlx-{model_store.backend_name()}")
+    assert invoke("run", path, "-q").exit_code == 0
+    monkeypatch.delenv(quantized.ENVIRONMENT_VARIABLE)
+    if native.ops() is None or model_store.backend_name() != "cpu":
+        pytest.skip(f"one kernel path here: {model_store.quantized_kernels()}")
+    assert model_store.quantized_kernels() == f"routed-native-{native.ops().quantized_instruction_set()}"
+    assert invoke("run", path, "-q").exit_code == 0
+    assert rows(tmp_path / "store.db", "select count(distinct settings_hash), count(*) from documents") == [(2, 2)]
+    devices = [device for (device,) in rows(tmp_path / "store.db", "select device from runs order by id")]
+    assert "routed-mlx" in devices[0] and "routed-native-" in devices[1]

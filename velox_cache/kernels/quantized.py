@@ -68,6 +68,14 @@ def available() -> bool:
     return ops is not None and hasattr(ops, "quantized_matmul")
 
 
+def kernel_path() -> str:
+    """What routed quantized layers compute with on this CPU: ``native-<instruction set>`` (Velox's loops) or
+    ``mlx`` (``mx.quantized_matmul``); each gives other bits, so the store keys its rows by it."""
+    if not available():
+        return "mlx"
+    return f"native-{native.ops().quantized_instruction_set()}"
+
+
 def refusal(
     x: mx.array,
     w: mx.array,
