@@ -240,7 +240,8 @@ class SharedReadings:
         # variant is read: the group's drafts decode together (``draft_together``)
         later = output_is_draft(item.generation, configs) if any(c.method == "full" for c in configs) else True
         try:
-            reading = read_shared(self.model, self.tokenizer, item.prompt, configs, item.generation, draft=not later)
+            reading = read_shared(self.model, self.tokenizer, item.prompt, configs, item.generation, draft=not later,
+                                  variants=len(sharing))
         except NotDerivable:  # e.g. a model with layers Velox leaves alone: each variant reads its own
             reading = None
         except Exception as exc:  # noqa: BLE001 - every variant of the reading fails with it
@@ -308,7 +309,7 @@ def measure_frontier(model, tokenizer, item: WorkItem, references: References,
         if points:
             configs = [point_config(point) for point in points]
             if reading is None:
-                reading = read_shared(model, tokenizer, item.prompt, configs, item.generation,
+                reading = read_shared(model, tokenizer, item.prompt, configs, item.generation, variants=0,
                                       draft=not output_is_draft(item.generation, configs))
             measured = frontier_rows(model, reading, [(p.variant.name, p.budget, c) for p, c in zip(points, configs)],
                                      reference, item.generation)

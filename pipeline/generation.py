@@ -185,7 +185,8 @@ def prefill_variant(
 
 
 class _DraftClock:
-    """``prefill_phases``' ``after_call``: the seconds its look-ahead's draft took (``seconds``; None: no draft)."""
+    """``prefill_phases``' ``after_call``: the seconds its look-ahead's draft took (``seconds``; None: no draft),
+    from the prompt's last logits evaluated (``"read"``) to the draft made."""
 
     def __init__(self):
         self.last = time.perf_counter()
@@ -207,12 +208,14 @@ class Reading:
     draft); ``draft_seconds``: drafting, when the reading drafted (None: it did not).
     ``peak_bytes``: the reading's own peak; ``held_bytes``: what each member held when it
     ended (the full stack and each recording), which ``own_peak`` takes off for the others.
+    ``variants``: how many of its configs are variants' rows (the others: frontier points).
     """
 
     shared: SharedReading
     prompt: Prompt
     seconds: float
     peak_bytes: int
+    variants: int = 0
     held_bytes: dict = field(default_factory=dict)  # reading_recipe (None: the full stack) -> bytes held at the end
     look_ahead_seconds: float = 0.0
     draft_seconds: Optional[float] = None
@@ -242,13 +245,15 @@ class Reading:
 
 
 def read_shared(
-    model, tokenizer, prompt: Prompt, configs: list[KVCacheConfig], settings: GenerationSpec, *, draft: bool = True
+    model, tokenizer, prompt: Prompt, configs: list[KVCacheConfig], settings: GenerationSpec, *, draft: bool = True,
+    variants: Optional[int] = None,
 ) -> Reading:
     """Read ``prompt`` once for ``configs`` (``SharedReading.prefill``); cut each run with ``cut_shared``.
 
     ``draft=False``: configs with a ``lookahead`` wait for their draft
     (``Reading.feed_draft``), the full variant's own output once decoded.
-    Raises ``NotDerivable`` when the configs cannot share.
+    ``variants``: how many of ``configs`` (the first ones) are variants' rows, the rest frontier
+    points (default: all). Raises ``NotDerivable`` when the configs cannot share.
     """
     with OwnPeak() as peak:
         start = time.perf_counter()
@@ -258,7 +263,8 @@ def read_shared(
             stop_tokens=frozenset(tokenizer.eos_token_ids), repeat=_repeat_for(tokenizer, configs), draft=False,
         )
         mx.eval(reading.logits)
-        result = Reading(reading, prompt, time.perf_counter() - start, 0)
+        result = Reading(reading, prompt, time.perf_counter() - start, 0,
+                         variants=len(configs) if variants is None else variants)
     result.peak_bytes = peak.bytes
     result.held_bytes = {reading_recipe(config): reading.held_bytes(config) for config in [FULL, *configs]}
     if draft and not reading.looked_ahead:
@@ -302,7 +308,8 @@ def cut_shared(tokenizer, reading: Reading, config: KVCacheConfig, settings: Gen
     fused attention, where ``config``'s own prefill scores no rows while reading:
     ``SharedReading.scores_while_reading``), its look-ahead's call when ``config`` looks
     ahead, and the cut; ``reading_seconds``: the shared part of it (the reading
-    and the look-ahead); ``draft_seconds``: the reading's draft, when it drafted for
+    and the look-ahead), where the reading serves other variants' rows too (frontier points
+    alone do not make it shared: their seconds are their cuts and forcing); ``draft_seconds``: the reading's draft, when it drafted for
     ``config``; ``prefill_peak_bytes``: the reading's peak less what it held for the
     other configs (``Reading.own_peak``). A compressed run keeps a snapshot for
     teacher forcing until told its reference (``refer_to``).
@@ -324,7 +331,7 @@ def cut_shared(tokenizer, reading: Reading, config: KVCacheConfig, settings: Gen
         prefill_peak_bytes=reading.own_peak(config),
         first_logprobs=first_logprobs,
         prefill_end=None if config.method == "full" else snapshot(caches),
-        reading_seconds=common if len(shared.configs) > 1 else None,  # shared with the other configs read
+        reading_seconds=common if reading.variants > 1 else None,  # shared with other variants' rows
         draft_seconds=reading.draft_seconds if config.lookahead else None,
         layer_stats=layer_rows(caches),
     )
@@ -340,7 +347,7 @@ def prefill_shared(
     cut later (``frontier_rows``); the first run then keeps the reading (``reading``)
     until it is done with.
     """
-    reading = read_shared(model, tokenizer, prompt, [*configs, *also_read], settings)
+    reading = read_shared(model, tokenizer, prompt, [*configs, *also_read], settings, variants=len(configs))
     runs = [cut_shared(tokenizer, reading, config, settings) for config in configs]
     if also_read:
         runs[0].reading = reading
@@ -355,13 +362,15 @@ def frontier_rows(model, reading: Reading, points: list, reference: Reference, s
     then teacher-forced on ``reference`` (all in one batched call, as
     ``teacher_force_together``): one row per point with its agreement, NLL gap and bytes.
     ``seconds``: its share of cutting its variant's points (one ranking per layer serves
-    every budget), of the look-ahead's call (the full output is the draft, where the
-    reading has none yet) and of the forcing.
+    every budget), of the look-ahead's call where it is fed here (the full output is the
+    draft, where the reading has none yet; a call fed for the variants is theirs) and of
+    the forcing.
     """
     shared = reading.shared
+    ahead = 0.0  # a call fed before (for the variants cut from the reading) is in their seconds already
     if not shared.looked_ahead:
         reading.feed_draft(reference.token_ids)  # the full output is the draft (timed for the variants cut after)
-    ahead = reading.look_ahead_seconds
+        ahead = reading.look_ahead_seconds
     sampler = TokenChoice(settings, reading.prompt.tokens)
     first_logprobs = sampler.logprobs(shared.logits)
     stacks, layers, cut_seconds = [], [], []

@@ -138,9 +138,10 @@ class KVCacheConfig:
             prefill and the eviction at its end are unchanged. The full cache
             keeps its newest ``kv_window`` tokens and an unfinished group in
             float (``velox_cache.policies.full.QuantizedFullKVCache``); an
-            evicting cache keeps its unfinished group in float, never evicts
-            from it, and leaves each evicted token's codes as a hole the next
-            whole group fills (``velox_cache.cache.quantized_slots``).
+            evicting cache keeps its unfinished group in float, ranks its
+            tokens with the quantized ones when it evicts (a window token can
+            go), and leaves each evicted token's codes as a hole the next whole
+            group fills (``velox_cache.cache.quantized_slots``).
             ``None``: held in float. Needs the model's attention routed
             through Velox; rows at ``kv_bits`` decode in batches (each kind
             in a batched layer of its own, beside rows of other kinds).

@@ -144,14 +144,41 @@ def test_a_look_ahead_fed_for_the_frontier_still_counts_to_the_variants_that_loo
     assert more == [(2,)]
 
 
-def test_a_points_seconds_do_not_depend_on_which_budget_was_cut_first(job, tmp_path):
-    """One ranking per layer serves every budget of a variant: its points share the cutting equally."""
+def test_a_documents_points_seconds_sum_to_the_cutting_and_forcing_measured(job, tmp_path, monkeypatch):
+    """Under a clock that ticks once per evaluation, a document's points' seconds add up to what measuring them
+    took (timed around ``frontier_rows``: the cuts, the look-ahead's call, the forcing); one ranking per layer
+    serves every budget of a variant, so its points share its cutting equally."""
+    import time
+
+    import mlx.core as mx
+
+    import pipeline.execute
+
+    now, evaluate, measure = [0.0], mx.eval, pipeline.execute.frontier_rows
+    measured = []
+
+    def ticking_eval(*arrays):
+        now[0] += 1.0
+        return evaluate(*arrays)
+
+    def timed(*args, **kwargs):
+        start = now[0]
+        points = measure(*args, **kwargs)
+        measured.append(now[0] - start)
+        return points
+
+    monkeypatch.setattr(mx, "eval", ticking_eval)
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(pipeline.execute, "frontier_rows", timed)
     write_corpus(tmp_path / "corpus.parquet", n=2)
     db = tmp_path / "store.db"
     assert invoke("run", job(frontier={"budgets": [8, 24, "50%"]}), "-q").exit_code == 0
-    per_document = rows(db, "select document_id, variant, count(*), count(distinct seconds), min(seconds) > 0 "
-                            "from frontier where status = 'done' group by 1, 2 order by 1, 2")
-    assert per_document == [(d, v, 3, 1, 1) for d in ("doc-0", "doc-1") for v in ("pyramid", "squeeze")]
+    per_document = rows(db, "select sum(seconds) from frontier where status = 'done' group by document_id order by 1")
+    assert len(measured) == 2 and min(measured) > 0
+    assert sorted(seconds for (seconds,) in per_document) == pytest.approx(sorted(measured))
+    shares = rows(db, "select count(*), count(distinct seconds) from frontier where status = 'done' "
+                      "group by document_id, variant")
+    assert shares == [(3, 1)] * 4
 
 
 def test_points_whose_budgets_keep_the_whole_prompt_measure_the_same(job, tmp_path):
@@ -170,3 +197,19 @@ def test_points_whose_budgets_keep_the_whole_prompt_measure_the_same(job, tmp_pa
     alone = rows(tmp_path / "one.db", keep_all.format("budget = '4096'"))
     for (doc, agreement, gap), (doc_alone, agreement_alone, gap_alone) in zip(together[::4], alone[::2]):
         assert doc == doc_alone and agreement == agreement_alone and gap == pytest.approx(gap_alone, abs=1e-5)
+
+
+def test_a_full_row_whose_reading_served_only_frontier_points_has_no_shared_reading(job, tmp_path):
+    """reading_seconds is the part of prefill_seconds shared with other variants' rows: points alone do not share it
+    (their seconds are their cuts and forcing), so the full row's prefill holds its whole reading."""
+    write_corpus(tmp_path / "corpus.parquet", n=2)
+    db = tmp_path / "store.db"
+    assert invoke("run", job(), "-q", "--variant", "pyramid", "--variant", "squeeze").exit_code == 0
+    assert invoke("run", job(frontier=BUDGETS), "-q").exit_code == 0
+    assert rows(db, "select documents_unchanged, documents_done from runs where id = 2") == [(4, 2)]
+    full = rows(db, "select reading_seconds is null, prefill_seconds > 0 from documents where variant = 'full'")
+    assert full == [(1, 1), (1, 1)]
+    assert rows(db, "select count(*) from frontier where status = 'done'") == [(8,)]
+    # and where the variants share it, each row names the shared part
+    assert invoke("run", job(frontier=BUDGETS, output={"db": str(tmp_path / "shared.db")}), "-q").exit_code == 0
+    assert rows(tmp_path / "shared.db", "select count(*) from documents where reading_seconds is null") == [(0,)]

@@ -13,6 +13,25 @@ PYRAMID = KVCacheConfig(method="pyramidkv", budget=24, lookahead=4)
 SQUEEZE = KVCacheConfig(method="squeeze", budget=24, lookahead=0)
 
 
+@pytest.fixture
+def ticking_clock(monkeypatch):
+    """``time.perf_counter`` as a clock that ticks one second per ``mx.eval``: figures become counts of evaluations."""
+    import time
+
+    import mlx.core as mx
+
+    now = [0.0]
+    evaluate = mx.eval
+
+    def ticking_eval(*arrays):
+        now[0] += 1.0
+        return evaluate(*arrays)
+
+    monkeypatch.setattr(mx, "eval", ticking_eval)
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    return now
+
+
 def _reading(tiny_model, **settings):
     model, tokenizer = tiny_model
     prompt = Prompt([5 + (i * 7) % 90 for i in range(200)], document_start=2, document_end=190)
@@ -20,9 +39,13 @@ def _reading(tiny_model, **settings):
     return tokenizer, spec, read_shared(model, tokenizer, prompt, [FULL, PYRAMID, SQUEEZE], spec)
 
 
-def test_each_cut_row_carries_the_reading_and_none_carries_the_others_recordings(tiny_model):
+def test_each_cut_row_carries_the_reading_and_none_carries_the_others_recordings(tiny_model, ticking_clock):
     tokenizer, spec, reading = _reading(tiny_model)
-    runs = {config.method: cut_shared(tokenizer, reading, config, spec) for config in (FULL, PYRAMID, SQUEEZE)}
+    runs, cutting = {}, {}
+    for config in (FULL, PYRAMID, SQUEEZE):
+        start = ticking_clock[0]
+        runs[config.method] = cut_shared(tokenizer, reading, config, spec)
+        cutting[config.method] = ticking_clock[0] - start
     recordings = reading.shared.nbytes
     full_stack = reading.shared.held_bytes(FULL)
     assert runs["full"].prefill_peak_bytes <= reading.peak_bytes - recordings
@@ -36,8 +59,8 @@ def test_each_cut_row_carries_the_reading_and_none_carries_the_others_recordings
     assert runs["full"].reading_seconds == unscored
     assert runs["pyramidkv"].reading_seconds == unscored + reading.look_ahead_seconds
     assert runs["squeeze"].reading_seconds == reading.seconds
-    for run in runs.values():
-        assert run.prefill_seconds >= run.reading_seconds
+    for method, run in runs.items():  # the reading's share, then its own cut, measured around the call
+        assert cutting[method] >= 1 and run.prefill_seconds == pytest.approx(run.reading_seconds + cutting[method])
     # the reading drafted (nothing decoded yet to be the draft): its seconds go to the variant that looks ahead
     assert reading.draft_seconds is not None
     assert runs["pyramidkv"].draft_seconds == reading.draft_seconds
@@ -75,3 +98,26 @@ def test_a_reading_that_serves_the_full_variant_is_not_drafted_together(tiny_mod
     reading = read_shared(model, tokenizer, _prompts(1)[0], [FULL, PYRAMID], spec, draft=False)
     with pytest.raises(ValueError, match="full variant"):
         draft_together(model, [reading], budget_bytes=2**30, max_rows=8)
+
+
+def test_a_variants_draft_seconds_are_its_draft_and_the_prompts_last_evaluation_is_prefill(tiny_model, monkeypatch,
+                                                                                           ticking_clock):
+    """A clock that ticks once per evaluation: the draft's seconds are the ticks inside the draft itself, none of
+    the prompt's (its last chunk's final layers and LM head, evaluated before the draft, are prefill's)."""
+    import velox_cache.generation.prefill as prefill
+
+    now, draft, spans = ticking_clock, prefill.draft, []
+
+    def timed_draft(*args, **kwargs):
+        start = now[0]
+        tokens = draft(*args, **kwargs)
+        spans.append(now[0] - start)
+        return tokens
+
+    model, tokenizer = tiny_model
+    prompt = Prompt([5 + (i * 7) % 90 for i in range(120)], document_start=2, document_end=100)
+    spec = GenerationSpec(max_tokens=6, prefill_step_size=32)
+    monkeypatch.setattr(prefill, "draft", timed_draft)
+    run = prefill_variant(model, tokenizer, prompt, PYRAMID, spec)
+    assert len(spans) == 1 and spans[0] >= 1
+    assert run.draft_seconds == spans[0]

@@ -78,9 +78,10 @@ def prefill_phases(
     then ``decode``, which ends prefill), so the caller decodes next with the
     same ``caches``. ``context_length`` defaults to the model's;
     ``max_new_tokens`` is kept free of it. ``after_call(event, caches)`` runs
-    after every model call (``"document"``, ``"probe"``, ``"instruction"``)
-    and after every probe is dropped (``"probe_dropped"``), for progress and
-    checks. ``tell_decode=False`` stops before telling ``decode``: prefill has
+    after every model call (``"document"``, ``"probe"``, ``"instruction"``),
+    after every probe is dropped (``"probe_dropped"``) and once the prompt's
+    last logits are evaluated (``"read"``: what follows is drafting, if any),
+    for progress, checks and clocks. ``tell_decode=False`` stops before telling ``decode``: prefill has
     not ended (``velox_cache.generation.reading`` cuts stacks from it first).
     ``last_alone``: the prompt's last token runs in a call of its own after the
     chunks before it, as ``mlx_lm.generate_step`` feeds a prompt
@@ -130,6 +131,7 @@ def prefill_phases(
             logits = _run(model, piece, caches)
             notify("instruction", caches)
     mx.eval(logits)  # before decode begins: the last prompt token sees everything held
+    notify("read", caches)
     if drafts:
         if not instruction:
             positions.make_room(drafts)
