@@ -34,7 +34,7 @@ def test_a_one_token_last_chunk_does_not_end_prefill_early(tiny_model, method):
     prompt = prompt[: 3 * chunk + 1]  # the last chunk is one token long
     config = KVCacheConfig(method=method, budget=40, scoring="key_proxy", lookahead=0)  # chunks only, no draft
     told = KVCacheBuilder.for_model(model, config)
-    assert _prefill(model, prompt, told, chunk) == ["document"] * 4, "the one-token chunk was a chunk"
+    assert _prefill(model, prompt, told, chunk) == ["document"] * 4 + ["read"], "the one-token chunk was a chunk"
     whole = KVCacheBuilder.for_model(model, config)
     _prefill(model, prompt, whole, len(prompt))  # prefill_phases ends by telling decode
     assert all(c.offset == len(prompt) and c.phase is Phase.DECODE for c in told)
@@ -51,7 +51,7 @@ def test_prefill_step_size_one_keeps_window_selection(tiny_model, method):
     prompt = tokenizer.encode("One token at a time is still a prompt. " * 2)
     config = KVCacheConfig(method=method, budget=24, scoring="key_proxy", lookahead=0)  # chunks only, no draft
     stepwise = KVCacheBuilder.for_model(model, config)
-    assert _prefill(model, prompt, stepwise, 1) == ["document"] * len(prompt)
+    assert _prefill(model, prompt, stepwise, 1) == ["document"] * len(prompt) + ["read"]
     chunked = KVCacheBuilder.for_model(model, config)
     _prefill(model, prompt, chunked, 64)
     if method == "squeeze":
