@@ -14,10 +14,11 @@ protocol, ``type(layer).from_state(state)``) the restored layer's array at the
 same path is equal (a buffer's zero spare room aside); otherwise it must be one
 of the derived arrays of ``REBUILT``, each recomputed here from the layer's
 state arrays and host-side counts and settings, and equal to that. Anything
-else fails, naming its path. A stack restored from its state then decodes the
-same next 10 greedy tokens, logits bit for bit; the kinds whose class refuses
-to be restored (its ``state`` setter raises ``NotImplementedError``) are strict
-xfails that name it.
+else fails, naming its path. A stack restored from its state and meta state
+(``type(layer).from_state(state, meta_state)``, fresh array handles: what a
+save and a load leave) then decodes the same next 10 greedy tokens, logits bit
+for bit; a kind that cannot be restored (``CannotRestore``) would be a strict
+xfail naming why (``NOT_RESTORABLE``: none is).
 
 The table: every policy row of ``tests/velox_cache/policies.py`` (every registered
 policy, and the non-default timings), the full cache, per-head budgets, quantized
@@ -39,6 +40,7 @@ from mlx_lm.models.cache import _BaseCache
 import velox_cache
 from velox_cache import KVCacheBuilder, KVCacheConfig, prefill_phases
 from velox_cache.cache.head_slots import HeadPooledSlots, head_membership
+from velox_cache.cache.restoring import CannotRestore
 from velox_cache.cache.slots import recent_limit
 from velox_cache.generation.batching import BatchedLayer, batch_layers
 from velox_cache.generation.decoding_batch import DecodingBatch
@@ -72,7 +74,7 @@ _MIXED = [  # rows of several kinds in one batch: a MixedBatch, and a BatchedLay
 KINDS = [(name, rows, False) for name, rows in _SINGLE] + [(name, rows * 2, True) for name, rows in _SINGLE] + [
     (name, rows, True) for name, rows in _MIXED
 ]
-RESTORABLE = {"full"}  # kinds whose layers come back from ``from_state``; the others refuse (see the xfail)
+NOT_RESTORABLE: dict = {}  # kind id -> why its layers cannot come back from ``from_state`` (a strict xfail)
 
 
 def _config(fields: dict) -> KVCacheConfig:
@@ -250,11 +252,11 @@ def _saved(state):
 
 
 def restored(layer):
-    """``layer`` restored from its state by mlx-lm's protocol (``from_state``, what ``load_prompt_cache`` calls);
-    None where its class refuses to be restored (its ``state`` setter raises ``NotImplementedError``)."""
+    """``layer`` restored from its state and meta state by mlx-lm's protocol (``from_state``); None where it
+    cannot be (``CannotRestore``)."""
     try:
-        return type(layer).from_state(_saved(layer.state))
-    except NotImplementedError:
+        return type(layer).from_state(_saved(layer.state), layer.meta_state)
+    except CannotRestore:
         return None
 
 
@@ -329,22 +331,17 @@ def test_every_array_a_layer_keeps_is_in_its_state_or_rebuilt_from_it(tiny_model
 
 def _restore_param(name, rows, batched):
     kind = f"{name}-{'batched' if batched else 'alone'}"
-    if name in RESTORABLE and not batched:
+    if kind not in NOT_RESTORABLE:
         return pytest.param(name, rows, batched, id=kind)
-    refuses = "the batched layers' (BatchedLayer, QuantizedFullBatch, QuantizedSlotsBatch, MixedBatch)" if batched \
-        else ("QuantizedFullKVCache's" if rows[0].get("kv_bits") and rows[0]["method"] == "full"
-              else "EvictingKVCache's")
-    reason = (f"{refuses} `state` setter raises NotImplementedError: no restore from state (mlx-lm's from_state; "
-              "no meta_state carries the counts, phase, timing, selector or budget either)")
     return pytest.param(name, rows, batched, id=kind,
-                        marks=pytest.mark.xfail(raises=NotImplementedError, strict=True, reason=reason))
+                        marks=pytest.mark.xfail(raises=CannotRestore, strict=True, reason=NOT_RESTORABLE[kind]))
 
 
 @pytest.mark.parametrize("name,rows,batched", [_restore_param(*kind) for kind in KINDS])
 def test_a_stack_restored_from_its_state_decodes_the_same(tiny_model, name, rows, batched):
     model, tokenizer = tiny_model
     layers, first = _built(model, tokenizer, rows, batched)
-    again = [type(layer).from_state(_saved(layer.state)) for layer in layers]
+    again = [type(layer).from_state(_saved(layer.state), layer.meta_state) for layer in layers]
     produced = []
     for stack in (layers, again):
         tokens, logits = first, []
@@ -356,3 +353,72 @@ def test_a_stack_restored_from_its_state_decodes_the_same(tiny_model, name, rows
     original, restored_ = produced
     assert mx.argmax(original, axis=-1).tolist() == mx.argmax(restored_, axis=-1).tolist()
     assert mx.array_equal(original, restored_).item(), "logits bit for bit"
+    assert [layer.meta_state for layer in again] == [layer.meta_state for layer in layers], "the same counts after"
+    if batched:  # every row taken out of either batch: its own cache as decoding it alone leaves it, in both
+        for layer, back in zip(layers, again):
+            for row in range(len(layer.rows)):
+                written, rewritten = layer.extract(row), back.extract(row)
+                assert len(written) == len(rewritten)
+                assert all(mx.array_equal(a, b).item() for a, b in zip(written, rewritten)), f"row {row}"
+
+
+def test_meta_state_is_strings_and_a_restore_shares_nothing(tiny_model):
+    """mlx-lm's shapes (a list of arrays, a tuple of strings); a restored layer's meta state is the saved one,
+    no array is shared with the original, and a live layer's ``state`` setter rebinds its arrays in place."""
+    model, tokenizer = tiny_model
+    layers, _ = _built(model, tokenizer, [_POOLED, {"method": "squeeze"}], batched=True)
+    for layer in layers:
+        meta = layer.meta_state
+        assert isinstance(meta, tuple) and all(isinstance(part, str) for part in meta)
+        back = type(layer).from_state(_saved(layer.state), meta)
+        assert back.meta_state == meta
+        originals = {id(a) for _, a, _, _ in held_arrays(layer)}
+        assert not originals & {id(a) for _, a, _, _ in held_arrays(back)}
+        fresh = _saved(back.state)
+        back.state = fresh
+        assert [id(a) for a in back.state[: len(fresh)]] == [id(a) for a in fresh[: len(back.state)]]
+        assert back.meta_state == meta
+
+
+def test_what_cannot_be_restored_says_why(tiny_model):
+    """A squeeze layer before its coordinator publishes (its budget depends on every layer), and a Velox layer
+    without its meta state, refuse clearly; a full cache alone restores from its state as mlx-lm's ``KVCache``."""
+    model, tokenizer = tiny_model
+    tokens = tokenizer.encode(TEXT)[:40]
+    stacks = {}
+    for method in ("squeeze", "h2o", "full"):
+        stack = KVCacheBuilder.for_model(model, _config({"method": method}), prompt_tokens=len(tokens))
+        with velox_cache.observe(model):
+            model(mx.array(tokens)[None], cache=stack)
+        stacks[method] = stack
+    with pytest.raises(CannotRestore, match="SqueezeCoordinator that has not published"):
+        stacks["squeeze"][0].meta_state
+    with pytest.raises(CannotRestore, match="needs meta_state"):
+        type(stacks["h2o"][0]).from_state(stacks["h2o"][0].state)
+    full = stacks["full"][0]
+    alone = type(full).from_state(_saved(full.state))
+    assert alone.offset == full.offset and mx.array_equal(alone.keys, full.keys).item()
+
+
+@pytest.mark.parametrize("fields", [{"method": "snapkv"}, {"method": "h2o"}, {"method": "snapkv", "eviction": "streaming"},
+                                    {"method": "full", "kv_bits": 8}, {"method": "full"}],
+                         ids=["snapkv", "h2o", "snapkv-streaming", "quantized-tokens-8", "full"])
+def test_a_stack_restored_mid_prefill_reads_on_and_decodes_the_same(tiny_model, fields):
+    """Saved after a prefill chunk (its state read, as mlx-lm's prefill reads it), never told a phase: the
+    restored stack reads the rest of the prompt, infers the end of prefill, selects and decodes as the original."""
+    model, tokenizer = tiny_model
+    tokens = tokenizer.encode(TEXT)[:80]
+    stack = KVCacheBuilder.for_model(model, _config(fields), prompt_tokens=len(tokens))
+    produced = []
+    with velox_cache.observe(model):
+        model(mx.array(tokens[:50])[None], cache=stack)
+        mx.eval([layer.state for layer in stack])
+        again = [type(layer).from_state(_saved(layer.state), layer.meta_state) for layer in stack]
+        for layers in (stack, again):
+            model(mx.array(tokens[50:-1])[None], cache=layers)
+            mx.eval([layer.state for layer in layers])
+            logits = [model(mx.array(tokens[-1:])[None], cache=layers)[:, -1]]
+            for _ in range(5):
+                logits.append(model(mx.argmax(logits[-1], axis=-1)[:, None], cache=layers)[:, -1])
+            produced.append(mx.stack(logits))
+    assert mx.array_equal(*produced).item(), "logits bit for bit"

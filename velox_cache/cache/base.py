@@ -41,6 +41,7 @@ from .choices import PolicyChoices
 from .head_slots import HeadPooledSlots
 from .phases import LOOK_AHEAD, PROBE, LayerPhase, Phase, ProbeMark
 from .quantized_slots import QuantizedTokenSlots
+from .restoring import CannotRestore, Restorable
 from .scoring import LayerScoring
 from .selection import WindowSelector, blend_with_mass
 from .signals import CumulativeMass
@@ -48,7 +49,7 @@ from .slots import TokenSlots
 from .timing import make_timing
 
 
-class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
+class EvictingKVCache(Restorable, LayerScoring, CacheAccounting, _BaseCache):
     """One attention layer's KV cache that keeps at most ``layer_budget`` tokens per head.
 
     Subclasses (one per policy, ``velox_cache.policies``) declare the three
@@ -299,14 +300,25 @@ class EvictingKVCache(LayerScoring, CacheAccounting, _BaseCache):
     def state(self):
         """Every array held. A read marks the sequence as still in its prompt (``LayerPhase.starts_decoding``)."""
         self.progress.state_read = True
+        return self._state_list()
+
+    @state.setter
+    def state(self, value):
+        """Rebind the arrays (``from_state(state, meta_state)``: see ``velox_cache.cache.restoring``)."""
+        self._restore_state(value)
+
+    def _state_list(self) -> list:
         arrays = self.slots.arrays + self.selector.arrays + self.allocation.arrays
         if self.progress.probe_scores is not None:
             arrays.append(self.progress.probe_scores)
         return arrays
 
-    @state.setter
-    def state(self, value):
-        raise NotImplementedError(f"{type(self).__name__} cannot be restored from a saved state")
+    def _check_saveable(self) -> None:
+        if self._awaiting_observation:
+            raise CannotRestore(
+                f"layer {self.layer_id}: its last call is still waiting for its attention (the new keys it will "
+                "score are in no state); save it after the model call"
+            )
 
     def is_trimmable(self) -> bool:
         """False: trimming cannot bring evicted tokens back."""

@@ -94,6 +94,7 @@ class HeadPooledSlots(TokenSlots):
         return pooled
 
     heads_pooled = True
+    _derived = ("_mask_cache", "_by_head_cache", "_membership_cache", "_counts_cache")  # memos, rebuilt when asked
 
     # ----- counts ------------------------------------------------------------------------
 

@@ -43,6 +43,8 @@ class WindowSelector:
     every budget of a policy cut from one reading ranks once.
     """
 
+    _derived = ("_rankings",)  # a memo (shared with adopted selectors); a restored selector ranks anew
+
     def __init__(self, window: int, kernel: Optional[int]):
         self.window = window
         self.kernel = kernel  # None: ``pooling`` decides by whether a draft joined the window

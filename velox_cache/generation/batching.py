@@ -277,6 +277,8 @@ def _unflattened(slots, keys, values, scores, positions):
 class BatchedLayer(DecodingBatch):
     """One layer's caches of B sequences, decoding one token per row per call (see the module doc)."""
 
+    _derived = ("_n_sink", "_recent", "_pooled", "_ranked", "_folded", "_offset", "_valid")  # ``_rebuild``
+
     def __init__(self, caches: list, layer: int = 0):
         self.layer = layer
         held = HeldRows.of(caches, layer)
@@ -288,6 +290,15 @@ class BatchedLayer(DecodingBatch):
         self._settings()
         self._valid = None
         self._attended = True
+
+    def _rebuild(self) -> None:
+        """After a restore: the settings' columns, the offsets and the valid slots, from the rows and their counts."""
+        self._settings()
+        self._offset = mx.array(self.counts.offset, mx.int32)
+        self._valid = _slot_numbers(self.keys.shape[2]) < self._head_stored()
+
+    def row_caches(self) -> list:
+        return [row.cache for row in self.rows]
 
     def _settings(self) -> None:
         """Per-row settings as ``[B, 1, 1]`` columns, and which rows each signal ranks and folds."""
@@ -352,12 +363,13 @@ class BatchedLayer(DecodingBatch):
 
     @property
     def state(self):
-        """Every array held: the buffers, and each slot's flat index where a row has per-head budgets (``_flat``)."""
-        return [self.keys, self.values, self.scores, self.positions, *self._flat_kept()]
+        """Every array held: the buffers, each slot's flat index where a row has per-head budgets (``_flat``),
+        then the rows' own caches' (``rows_state``)."""
+        return [self.keys, self.values, self.scores, self.positions, *self._flat_kept(), *self.rows_state()]
 
     @state.setter
     def state(self, value):
-        raise NotImplementedError("a BatchedLayer cannot be restored from a saved state")
+        self._restore_state(value)
 
     @property
     def step_arrays(self) -> list:

@@ -7,12 +7,20 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
+from ..cache.restoring import Restorable, state_arrays
+
 from .unsupported import BatchUnsupported
 
 
-class DecodingBatch(_BaseCache):
+class DecodingBatch(Restorable, _BaseCache):
     """Base of the batched layers: each row's position in ``_offset`` ``int32 [B]``, ``layer`` its index,
-    ``_attended`` whether the last call's attention reached the layer."""
+    ``_attended`` whether the last call's attention reached the layer.
+
+    A batch's ``state`` is its own buffers, then the arrays of its rows' own caches
+    (``rows_state``: they keep them until they leave, and ``extract`` writes into them), so
+    that ``from_state(state, meta_state)`` restores the batch and its rows
+    (``velox_cache.cache.restoring``).
+    """
 
     layer: int = 0
     _offset: mx.array
@@ -39,6 +47,14 @@ class DecodingBatch(_BaseCache):
     def attended(self) -> bool:
         """False when the last call's attention did not reach ``observe_attention``."""
         return self._attended
+
+    def rows_state(self) -> list:
+        """The arrays the rows' own caches hold (in ``state``, after the batch's own)."""
+        return [array for cache in self.row_caches() for array in state_arrays(cache)]
+
+    def row_caches(self) -> list:
+        """The rows' own caches, in the order ``state`` lists their arrays."""
+        return list(self.rows)
 
     @property
     def step_arrays(self) -> list:

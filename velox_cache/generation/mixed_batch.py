@@ -30,6 +30,11 @@ class PartsHeld(NamedTuple):
 class MixedBatch(DecodingBatch):
     """One layer's parts (batched layers of one kind each) and where each batch row sits among them."""
 
+    _derived = ("_rows_of", "_back")  # the routing, from ``members`` (``_orders``)
+
+    def _rebuild(self) -> None:
+        self._orders()
+
     def __init__(self, parts: list, members: Optional[list] = None):
         """``members[i]``: ``(part, row in that part)`` of batch row ``i`` (default: the parts' rows in order)."""
         self.parts = list(parts)
@@ -94,7 +99,7 @@ class MixedBatch(DecodingBatch):
 
     @state.setter
     def state(self, value):
-        raise NotImplementedError("a MixedBatch cannot be restored from a saved state")
+        self._restore_state(value)
 
     def size(self) -> int:
         return max(part.size() for part in self.parts)

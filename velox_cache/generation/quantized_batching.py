@@ -37,6 +37,11 @@ _GROUP_PARTS = ("key_scales", "key_zeros")  # per key group
 class QuantizedFullBatch(DecodingBatch):
     """One layer's ``QuantizedFullKVCache`` rows decoding one token per row per call (see the module doc)."""
 
+    _derived = ("_offset",)  # every row keeps every token: its codes and its window (``_rebuild``)
+
+    def _rebuild(self) -> None:
+        self._offset = mx.array(self.quantized + self.tails, mx.int32)
+
     def __init__(self, caches: list, layer: int = 0):
         self.layer = layer
         for cache in caches:
@@ -102,11 +107,12 @@ class QuantizedFullBatch(DecodingBatch):
 
     @property
     def state(self):
-        return [getattr(self, name) for name in (*_CODE_PARTS, *_GROUP_PARTS)] + [self.keys, self.values]
+        own = [getattr(self, name) for name in (*_CODE_PARTS, *_GROUP_PARTS)] + [self.keys, self.values]
+        return own + self.rows_state()
 
     @state.setter
     def state(self, value):
-        raise NotImplementedError("a QuantizedFullBatch cannot be restored from a saved state")
+        self._restore_state(value)
 
     def size(self) -> int:
         return int((self.quantized + self.tails).max())

@@ -62,6 +62,12 @@ def quantized_slots(cache) -> bool:
 class QuantizedSlotsBatch(DecodingBatch):
     """One layer's quantized evicting rows decoding one token per row per call (see the module doc)."""
 
+    _derived = ("_n_sink", "_recent", "_ranked", "_folded", "_scale")  # ``_settings``, from the rows' caches
+    _by_value = ("_offset",)  # each row's next position (on the device, one int a row)
+
+    def _rebuild(self) -> None:
+        self._settings()
+
     def __init__(self, caches: list, layer: int = 0):
         self.layer = layer
         for cache in caches:
@@ -154,7 +160,7 @@ class QuantizedSlotsBatch(DecodingBatch):
     @property
     def state(self):
         names = (*SLOT_PARTS, "key_scales", "key_zeros", "keys", "values", *_META, *_DEVICE)
-        return [getattr(self, name) for name in names]
+        return [getattr(self, name) for name in names] + self.rows_state()
 
     @property
     def step_arrays(self) -> list:
@@ -164,7 +170,7 @@ class QuantizedSlotsBatch(DecodingBatch):
 
     @state.setter
     def state(self, value):
-        raise NotImplementedError("a QuantizedSlotsBatch cannot be restored from a saved state")
+        self._restore_state(value)
 
     def size(self) -> int:
         return int((np.array(self.quantized) + self.tail).max())

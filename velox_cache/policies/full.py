@@ -11,14 +11,20 @@ from ..budgets.allocators import UniformBudget
 from ..cache.accounting import CacheAccounting
 from ..cache.phases import Phase
 from ..cache.quantized_tokens import QuantizedTokens
+from ..cache.restoring import Restorable
 from ..config import KVCacheConfig
 from ..kernels.attend import attend_quantized
 from ..kernels.masks import fit_mask
 from ..kernels.observe import is_routed
 
 
-class FullKVCache(CacheAccounting, KVCache):
-    """Keeps every token; logits are exactly those of mlx-lm's ``KVCache``."""
+class FullKVCache(Restorable, CacheAccounting, KVCache):
+    """Keeps every token; logits are exactly those of mlx-lm's ``KVCache``.
+
+    ``state`` is mlx-lm's ``(keys, values, offset)``; ``meta_state`` adds the config and layer
+    (``velox_cache.cache.restoring``). ``from_state(state)`` without it restores as mlx-lm's
+    ``KVCache`` does, with the default config.
+    """
 
     method = "full"
     allocator = UniformBudget  # never consulted: the full cache keeps everything
@@ -27,6 +33,28 @@ class FullKVCache(CacheAccounting, KVCache):
         super().__init__()
         self.config = config or KVCacheConfig(method="full")
         self.layer_id = layer_id
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset
+
+    @state.setter
+    def state(self, value):
+        self._restore_state(value)
+
+    def _restore_state(self, value) -> None:
+        """A live cache takes ``(keys, values, offset)`` as mlx-lm's ``KVCache`` does; ``from_state`` waits for the meta."""
+        if "config" in vars(self) and "_restoring_meta" not in vars(self):
+            self.keys, self.values, self.offset = value
+        else:
+            Restorable._restore_state(self, value)
+
+    @classmethod
+    def _from_state_alone(cls, state):
+        cache = cls.__new__(cls)
+        cache.keys, cache.values, cache.offset = state
+        cache.config, cache.layer_id = KVCacheConfig(method="full"), None
+        return cache
 
     @property
     def layer_budget(self) -> int:
@@ -141,7 +169,10 @@ class QuantizedFullKVCache(FullKVCache):
 
     @state.setter
     def state(self, value):
-        raise NotImplementedError(f"{type(self).__name__} cannot be restored from a saved state")
+        self._restore_state(value)
+
+    _restore_state = Restorable._restore_state  # its state holds codes: restored by the layout meta_state names
+    _from_state_alone = Restorable.__dict__["_from_state_alone"]
 
     def is_trimmable(self) -> bool:
         return False
