@@ -53,7 +53,10 @@ data/pydoc_topics.parquet: | setup
 run: setup openblas native model data/pydoc_topics.parquet
 	$(VENV)/bin/velox-batch run jobs/summarize.yaml
 
+# pyflakes first: unused imports, undefined or twice-defined names fail CI before the suite runs.
+LINTED = velox_cache pipeline tests bench
 test: test-setup openblas native model
+	$(VENV)/bin/python -m pyflakes $(LINTED)
 	$(WITH_FAST_BLAS) -m pytest
 
 bench: test-setup openblas native model

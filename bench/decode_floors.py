@@ -62,7 +62,7 @@ def memory_bandwidth(megabytes: int, repeats: int = 5) -> float:
     x = mx.random.normal((1, columns))
     mx.eval(weights, x)
     seconds = _median_seconds(lambda: mx.eval(x @ weights.T), repeats)
-    del weights
+    weights = None  # freed before the next probe
     mx.clear_cache()
     return rows * columns * 4 / seconds
 

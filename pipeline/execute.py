@@ -7,7 +7,7 @@ exception: the other variants of the document still run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 from velox_cache.generation.reading import NotDerivable, derivable, reading_recipe

@@ -450,15 +450,15 @@ def generate_together(
     for them).
     """
     runs = list(runs)
-    refill = None
-    if more is not None:
-        def refill(rows):
-            joining = list(more(rows))
-            runs.extend(joining)
-            return [run.row for run in joining]
+
+    def refill(rows):
+        joining = list(more(rows))
+        runs.extend(joining)
+        return [run.row for run in joining]
+
     configs = list(configs or []) + [run.config for run in runs]
     with attention_routing(model, configs):
-        decode_rows(model, [run.row for run in runs], batch=batch, refill=refill)
+        decode_rows(model, [run.row for run in runs], batch=batch, refill=refill if more is not None else None)
     weights = weights_bytes(model)
     forced = [run for run in runs if run.reference is not None]
     fidelities = dict(zip(map(id, forced), _teacher_force_runs(model, forced)))

@@ -27,9 +27,9 @@ from .queries import (
     report_run_ids,
     report_variants,
 )
+from ..defaults import DEFAULT_DB  # the CLI's --db default; spec.py shares it
 from .writer import (
     BUSY_TIMEOUT_MS,
-    DEFAULT_DB,
     WAIT_NOTICE_SECONDS,
     Store,
     check_store_path,

@@ -22,7 +22,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
-from ..defaults import DEFAULT_DB  # noqa: F401 (the CLI's --db default; spec.py shares it)
 from .base import SQLITE_BUSY, SQLITE_HEADER, SQLITE_LOCKED, StoreError, StoreLocked, now, primary_code
 from .migrations import migrate
 

@@ -51,7 +51,8 @@ def tensors(path: str | Path) -> dict[str, tuple[int, tuple[int, ...], np.ndarra
     if reader.data[:4] != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file")
     reader.at = 4
-    _version, n_tensors, n_values = reader.take("I"), reader.take("Q"), reader.take("Q")
+    reader.take("I")  # the format version
+    n_tensors, n_values = reader.take("Q"), reader.take("Q")
     alignment = 32
     for _ in range(n_values):
         key, kind = reader.string(), reader.take("I")

@@ -1,6 +1,5 @@
 """velox-batch end to end on the tiny model with temporary Parquet files."""
 
-import functools
 import json
 import os
 import signal

@@ -7,7 +7,6 @@ small budget every compressed layer stays within its budget, and budgets
 average over the compressed layers only.
 """
 
-import contextlib
 import warnings
 
 import mlx.core as mx
@@ -15,8 +14,6 @@ import pytest
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
-    KVCache,
-    RotatingKVCache,
     make_prompt_cache,
 )
 

@@ -1,6 +1,5 @@
 """Batched decoding: B prefilled stacks decode together and leave what decoding each alone leaves."""
 
-import contextlib
 
 import mlx.core as mx
 import pytest

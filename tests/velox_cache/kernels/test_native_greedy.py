@@ -6,7 +6,6 @@ as ``mx.argmax`` of ``logits - mx.logsumexp(logits)``; ``greedy_choice`` falls
 back to those ops where the native module is not built or is switched off.
 """
 
-import hashlib
 import os
 import platform
 import subprocess
