@@ -100,12 +100,21 @@ def _messages(spec: JobSpec, content: str) -> list[dict]:
     return messages
 
 
+# transformers warns ("Token indices sequence length is longer than the specified maximum") when a text
+# encodes past the tokenizer's model_max_length. Here a length past it is expected: streaming variants read
+# documents longer than the context by design, and every other prompt is measured against the model's context
+# by ``_limited_prompt`` (``limits.on_too_long``: a ``PromptTooLong`` naming the document, or a truncation),
+# the loud and real error. So the pipeline's own encodes ask for no such warning.
+_QUIET = {"verbose": False}
+
+
 def _encode(spec: JobSpec, tokenizer, content: str) -> list[int]:
     if _uses_chat(spec, tokenizer):
-        return list(tokenizer.apply_chat_template(_messages(spec, content), add_generation_prompt=True))
+        return list(tokenizer.apply_chat_template(_messages(spec, content), add_generation_prompt=True,
+                                                  tokenizer_kwargs=_QUIET))
     if spec.input.system:
         content = f"{spec.input.system}\n\n{content}"
-    return list(tokenizer.encode(content))
+    return list(tokenizer.encode(content, **_QUIET))
 
 
 def _split(spec: JobSpec, tokenizer, document: Document, prompt: Prompt) -> Prompt:
@@ -164,7 +173,7 @@ def _limited_prompt(spec: JobSpec, tokenizer, document: Document, context_length
     full = tokens
     if spec.limits.on_too_long != "truncate" or spec.input.prompt_column:
         raise PromptTooLong(f"prompt has {len(tokens)} tokens, more than {reason}", full)
-    text_tokens = tokenizer.encode(document.fields[spec.input.text_column])
+    text_tokens = tokenizer.encode(document.fields[spec.input.text_column], **_QUIET)
     keep = max(0, len(text_tokens) - (len(tokens) - limit))
     while True:
         tokens = _encode(spec, tokenizer, _render(spec, document, tokenizer.decode(text_tokens[:keep])))

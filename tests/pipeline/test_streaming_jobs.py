@@ -1,25 +1,30 @@
 """velox-batch with streaming variants: prompts split into prefix/document/instruction, no topic too long."""
 
 import json
+import logging
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.prompting import _encode, build_prompt
+from pipeline.prompting import PromptTooLong, _encode, build_prompt
 from pipeline.source import Document
 from pipeline.spec import parse_spec
 from tests.pipeline.helpers import invoke, rows
 from tests.tiny_model import build_tiny_model_dir
 
 
-def _spec(chat_template=True, system="Be brief.", template="About {topic}: {text}\nSummarize.", **input_changes):
-    return parse_spec({
+def _raw_spec(chat_template=True, system="Be brief.", template="About {topic}: {text}\nSummarize.", **input_changes):
+    return {
         "name": "split",
         "model": "unused",
         "input": {"path": "unused.parquet", "id_column": "id", "text_column": "text", "prompt_template": template,
                   "system": system, "chat_template": chat_template, **input_changes},
-    })
+    }
+
+
+def _spec(*args, **changes):
+    return parse_spec(_raw_spec(*args, **changes))
 
 
 @pytest.mark.parametrize("chat_template", [True, False])
@@ -55,6 +60,43 @@ def test_a_ready_prompt_has_no_split(tiny_model):
     spec = parse_spec({"name": "x", "model": "m", "input": {"path": "p", "id_column": "id", "prompt_column": "prompt"}})
     prompt = build_prompt(spec, tokenizer, Document("d", {"prompt": "Everything at once."}, "hash"))
     assert not prompt.has_split and prompt.document == prompt.tokens and prompt.instruction == []
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("chat_template", [True, False])
+def test_a_document_past_the_tokenizers_maximum_length_encodes_without_its_warning(chat_template):
+    """transformers warns once per tokenizer when a text encodes past ``model_max_length`` (SmolLM2's 8,192),
+    which a streamed document does by design; the pipeline measures lengths itself: past the context a
+    prompt is truncated to fit (the default) or refused loudly, naming its length (``on_too_long: skip``)."""
+    from pipeline.model_store import load_tokenizer
+
+    tokenizer, context = load_tokenizer("smollm2-135m-instruct")  # a fresh one: it has not warned yet
+    assert tokenizer._tokenizer.model_max_length == 8192
+    spec = _spec(chat_template)
+    long_text = "Caches keep a budget of tokens and evict the rest. " * 1000  # ~11k tokens
+    caught = _Records()
+    logger = logging.getLogger("transformers")
+    logger.addHandler(caught)
+    try:
+        document = Document("long", {"text": long_text, "topic": "caches"}, "hash")
+        streamed = build_prompt(spec, tokenizer, document)  # a streaming variant's: no context limit
+        truncated = build_prompt(spec, tokenizer, document, context_length=context)
+        skipping = parse_spec({**_raw_spec(chat_template), "limits": {"on_too_long": "skip"}})
+        with pytest.raises(PromptTooLong, match=rf"prompt has {len(streamed.tokens)} tokens, more than .* context"):
+            build_prompt(skipping, tokenizer, document, context_length=context)
+    finally:
+        logger.removeHandler(caught)
+    assert len(streamed.tokens) > 8192 and truncated.truncated and len(truncated.tokens) <= context
+    assert not [message for message in caught.messages if "sequence length is longer" in message], caught.messages
 
 
 @pytest.fixture(scope="module")
