@@ -153,13 +153,19 @@ def test_a_documents_points_seconds_sum_to_the_cutting_and_forcing_measured(job,
     import mlx.core as mx
 
     import pipeline.execute
+    import pipeline.generation
 
     now, evaluate, measure = [0.0], mx.eval, pipeline.execute.frontier_rows
+    feed = pipeline.generation.feed_together
     measured = []
 
     def ticking_eval(*arrays):
         now[0] += 1.0
         return evaluate(*arrays)
+
+    def ticking_feed(*args, **kwargs):  # the forcing's call: its figures are read by .item(), not mx.eval
+        now[0] += 1.0
+        return feed(*args, **kwargs)
 
     def timed(*args, **kwargs):
         start = now[0]
@@ -170,6 +176,7 @@ def test_a_documents_points_seconds_sum_to_the_cutting_and_forcing_measured(job,
     monkeypatch.setattr(mx, "eval", ticking_eval)
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(pipeline.execute, "frontier_rows", timed)
+    monkeypatch.setattr(pipeline.generation, "feed_together", ticking_feed)
     write_corpus(tmp_path / "corpus.parquet", n=2)
     db = tmp_path / "store.db"
     assert invoke("run", job(frontier={"budgets": [8, 24, "50%"]}), "-q").exit_code == 0
