@@ -8,9 +8,12 @@ caches stay within ``generation.decode_batch_memory_mb`` until every row reaches
 ``max_tokens`` (``velox_cache.generation.batching.decode_footprint``: each row's
 own caches, and the batch's buffers padded to its widest row) and it has fewer than
 ``generation.decode_batch_size`` rows; a finished row's place goes to the next
-document (continuous batching). A row too large for the budget on its own decodes
-alone. What else a variant holds beside its decode caches (a shared reading kept
-for the frontier, a snapshot for teacher forcing) is not counted here.
+document (continuous batching). The budget holds for every row handed out until it is
+done, batched or not: a row that cannot batch (``batch_refusal``) decodes alone and
+counts what its own caches hold by its last token, beside the batch. A row too large
+for the budget on its own decodes alone. What else a variant holds beside its decode
+caches (a shared reading kept for the frontier, a snapshot for teacher forcing, the
+caches of rows already done, the one prefilled row waiting for room) is not counted here.
 
 The batches' make-up depends only on the rows (their caches and tokens), never on
 time, so a job stores the same log-probabilities however its variants were
@@ -44,6 +47,7 @@ class DecodeAdmission:
     ``work``: an iterator of prefilled items, pulled (prefilled) only when the batch
     may take one; ``row_of(item)`` is its ``DecodeRow``. ``taken``: every item handed
     out, in order; ``rest()``: what was not (the one that waited for room first).
+    Every row handed out counts until it is ``done``, in the batch or decoding alone.
     """
 
     def __init__(self, work: Iterator, *, budget_bytes: int, max_rows: int,
@@ -54,16 +58,18 @@ class DecodeAdmission:
         self._row_of = row_of
         self._footprint = footprint or footprint_of  # a row -> what batch_footprint (below) adds up
         self._total = batch_footprint if footprint is None else sum
-        self._joined: dict = {}  # id(row) -> its footprint when it joined (its own counts stop there)
+        self._held: dict = {}  # id(row) -> (row, its footprint when handed out): rows not done yet
         self._waiting: Optional[object] = None
         self.taken: list = []
 
     def __call__(self, in_batch: list[DecodeRow]) -> list:
-        """The work whose rows join ``in_batch`` now: the next items that fit, in order (none when the next does not)."""
-        sizes = [self._joined[id(row)] for row in in_batch]
-        self._joined = {id(row): size for row, size in zip(in_batch, sizes)}  # rows that left are forgotten
+        """The work whose rows join ``in_batch`` now: the next items that fit beside every row handed out and not
+        done (``in_batch``, and rows decoding alone), in order (none when the next does not)."""
+        batched = {id(row) for row in in_batch}
+        self._held = {key: held for key, held in self._held.items() if key in batched or not held[0].done}
+        sizes = [size for _, size in self._held.values()]
         joining = []
-        while len(sizes) < self.max_rows:
+        while len(in_batch) + len(joining) < self.max_rows:
             item = self._next()
             if item is None:
                 break
@@ -73,7 +79,7 @@ class DecodeAdmission:
                 self._waiting = item  # it joins once rows have left
                 break
             sizes.append(size)
-            self._joined[id(row)] = size
+            self._held[id(row)] = (row, size)
             joining.append(item)
         self.taken += joining
         return joining
@@ -93,8 +99,9 @@ class DecodeAdmission:
 
 
 def decode_within(model, rows: Iterable[DecodeRow], *, budget_bytes: int, max_rows: int) -> list[DecodeRow]:
-    """Prefilled ``rows`` decoded as a job decodes a variant's rows: each joins the batch, in order, while it fits
-    (``DecodeAdmission``); returns them. The model's attention must be routed for them (``attention_routing``)."""
+    """Prefilled ``rows`` decoded as a job decodes a variant's rows: each joins the batch (or, where it cannot batch,
+    decodes alone), in order, while it fits beside the rows not done (``DecodeAdmission``); returns them. The model's
+    attention must be routed for them (``attention_routing``)."""
     admission = DecodeAdmission(iter(rows), budget_bytes=budget_bytes, max_rows=max_rows, row_of=lambda row: row)
     decode_rows(model, [], refill=admission)
     return admission.taken

@@ -33,7 +33,10 @@ later use are the same.
 Rows holding quantized tokens (``kv_bits``) batch in layers of their own kind
 (``QuantizedFullBatch``, ``QuantizedSlotsBatch``); ``batch_layers`` gives a
 layer whose rows are of several kinds a ``MixedBatch`` (one batched layer per
-kind, one model call).
+kind, one model call). What a kind is (its holder, whether it can join a batch
+and why not, the buffers a batch holds for it, what it holds decoding alone) is
+declared once, in ``KINDS``; ``decode_footprint`` reads it to bound what rows of
+any mix hold.
 
 What cannot batch is a ``BatchUnsupported`` error, raised before any row's
 cache is touched: caches mid-prefill or mid-probe, cache kinds other than the
@@ -45,18 +48,22 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from ..cache.base import EvictingKVCache
+from ..cache.quantized_holes import SLOT_PARTS
+from ..cache.quantized_tokens import GROUP_STEP, slot_bytes
+from ..cache.restoring import state_arrays
 from ..cache.signals import Recency, Signal, fold_heads
 from ..cache.slots import GROWTH_STEP, decode_capacity, protect, recent_limit
 from ..kernels.attend import attend_and_score
 from .decoding_batch import DecodingBatch
 from .mixed_batch import MixedBatch
+from .quantized_batching import STEP as QUANTIZED_WINDOW_STEP
 from .quantized_batching import QuantizedFullBatch
 from .quantized_slots_batch import QuantizedSlotsBatch, quantized_slots
 from .row_columns import by_group, column, row_groups
@@ -86,27 +93,18 @@ class _Row:
 
     @classmethod
     def of(cls, cache, layer: int) -> "_Row":
-        if isinstance(cache, EvictingKVCache):
-            return cls._of_evicting(cache, layer)
-        if getattr(cache, "kv_bits", None):
-            raise BatchUnsupported(f"layer {layer}: a cache holding quantized tokens (kv_bits) batches only with its own kind")
-        if not isinstance(cache, KVCache) or cache.keys is None:
-            raise BatchUnsupported(
-                f"layer {layer}: a {type(cache).__name__} cannot decode in a batch (only Velox's evicting "
-                "and full caches and mlx-lm's KVCache can, after prefill)"
-            )
-        return cls(cache, False, cache.offset, cache.offset, cache.offset, cache.keys.shape[2])
-
-    @classmethod
-    def _of_evicting(cls, cache: EvictingKVCache, layer: int) -> "_Row":
-        refusal = cache.batch_refusal()
+        """Raises ``BatchUnsupported`` unless ``cache`` is of a kind ``BatchedLayer`` holds and can join now."""
+        kind = row_kind(cache)
+        if kind.holder is not BatchedLayer:
+            reason = kind.refusal(cache) if kind.holder is None else (
+                "a cache holding quantized tokens (kv_bits) batches only with its own kind")
+            raise BatchUnsupported(f"layer {layer}: {reason}")
+        refusal = kind.refusal(cache)
         if refusal is not None:
             raise BatchUnsupported(f"layer {layer}: {refusal}")
-        if quantized_slots(cache):
-            raise BatchUnsupported(f"layer {layer}: a cache holding quantized tokens (kv_bits) batches only with its own kind")
+        if not kind.evicting:
+            return cls(cache, False, cache.offset, cache.offset, cache.offset, cache.keys.shape[2])
         slots, budget = cache.slots, cache.layer_budget
-        if not issubclass(slots.signal, Signal):
-            raise BatchUnsupported(f"layer {layer}: signal {slots.signal.__name__} has no batched form")
         return cls(
             cache,
             True,
@@ -564,92 +562,6 @@ def _pad(array: mx.array, length: int, axis: int) -> mx.array:
     return mx.pad(array, widths)
 
 
-class RowFootprint(NamedTuple):
-    """What one prefilled stack costs a decoding batch (``row_footprint``), fixed when it joins."""
-
-    own_bytes: int  # its caches as they are now (it keeps them until it leaves the batch)
-    widths: tuple  # per layer: the slots per head it needs by its last new token
-    slot_bytes: tuple  # per layer: one slot's bytes across heads (key, value, score, position, flat index)
-    batches: bool = True  # False: it decodes alone (``batch_refusal``), in no batch buffer: its own bytes only
-
-
-def row_footprint(stack: list, new_tokens: int) -> RowFootprint:
-    """``stack``'s footprint in a batch it joins now, with ``new_tokens`` still to take (see ``decode_footprint``).
-
-    Take it before the row joins: once it decodes in a batch, its own caches' counts
-    stay as they were when it joined (the batch counts for it).
-    """
-    own = sum(getattr(cache, "nbytes", 0) for cache in stack)
-    if batch_refusal(stack) is not None:  # it decodes alone: what it holds, and what a full one grows by
-        growth = sum(new_tokens * cache.tokens.float_bytes_per_token() for cache in stack if hasattr(cache, "tokens"))
-        return RowFootprint(own + growth, (), (), batches=False)
-    parts = [part for cache in stack for part in _final_widths(cache, new_tokens)]
-    widths, sizes = zip(*parts) if parts else ((), ())
-    return RowFootprint(own, tuple(widths), tuple(sizes))
-
-
-def batch_footprint(rows: list[RowFootprint]) -> int:
-    """The most bytes these rows hold decoding together: their own caches, plus the batch's buffers at their
-    widest (every layer padded to its widest row, at that row's last token)."""
-    if not rows:
-        return 0
-    own = sum(row.own_bytes for row in rows)
-    batched = [row for row in rows if row.batches]
-    buffers = sum(len(batched) * max(widths) * max(sizes) for widths, sizes in
-                  zip(zip(*(row.widths for row in batched)), zip(*(row.slot_bytes for row in batched))))
-    return own + buffers
-
-
-def decode_footprint(stacks: list[list], new_tokens: list[int]) -> int:
-    """The most bytes ``stacks`` hold decoding together as one batch until each has taken ``new_tokens[i]`` more.
-
-    Each row's own caches as they are now (they keep their arrays until the row
-    leaves the batch), plus the batch's buffers (``BatchedLayer``): per layer, every
-    row padded to the widest row's final width (a full row grows by its new tokens,
-    plus one growth step; an evicting row stops at its budget), each slot's key,
-    value, score, position and flat index. Prefilled stacks that have not decoded in
-    a batch yet (no array is evaluated); an upper bound on what ``decode_rows`` holds for them.
-    """
-    if len(stacks) != len(new_tokens):
-        raise ValueError(f"new_tokens: {len(new_tokens)} counts for {len(stacks)} stacks")
-    return batch_footprint([row_footprint(stack, new) for stack, new in zip(stacks, new_tokens)])
-
-
-def _final_widths(cache, new: int) -> list[tuple[int, int]]:
-    """``_final_width`` of one layer; a quantized full cache's batch holds two parts: its codes, padded as they
-    are (a quantized token's codes, group number and value scales), and its float window, growing by ``new``;
-    a quantized evicting cache's, its region and its window (``QuantizedTokenSlots.batch_parts``)."""
-    if quantized_slots(cache):
-        return cache.slots.batch_parts(cache.layer_budget)
-    if not _quantized_full(cache):
-        return [_final_width(cache, new)]
-    tokens = cache.tokens
-    return [(tokens.quantized, tokens.code_bytes_per_token()), (tokens.tail + new, tokens.float_bytes_per_token())]
-
-
-def _final_width(cache, new: int) -> tuple[int, int]:
-    """``(slots per head the row needs after new tokens, bytes of one slot across heads)`` for one layer."""
-    if isinstance(cache, EvictingKVCache):
-        slots = cache.slots
-        keys, values = slots.keys, slots.values
-        if keys is None:
-            return 0, 0
-        if slots.heads_pooled:
-            heads = slots.n_heads
-            held = max(slots.head_counts(), default=0)
-            width = min(held + new, cache.layer_budget * heads)
-        else:
-            heads = keys.shape[1]
-            width = min(slots.stored + new, max(cache.layer_budget, slots.stored))
-    else:
-        keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
-        if keys is None:
-            return 0, 0
-        heads, width = keys.shape[1], cache.offset + new + FULL_STEP
-    per_head = keys.shape[-1] * keys.dtype.size + values.shape[-1] * values.dtype.size + 3 * 4  # + score, position, flat
-    return width, heads * per_head
-
-
 def _owned(row_slice: mx.array, capacity: int) -> mx.array:
     """A row's slice of a batch buffer, padded to ``capacity`` along the slots, in a buffer of its own.
 
@@ -687,35 +599,21 @@ def _join_refusal(layer, new) -> Optional[str]:
 
 
 def batch_refusal(stack: list) -> Optional[str]:
-    """Why this prefilled stack cannot join any batch (a layer's cache kind or state), or None.
+    """Why this prefilled stack cannot join any batch (a layer's cache kind or state, ``RowKind.refusal``), or None.
 
     Only what a row can tell on its own: rows that pass may still fail to batch
     together (unequal heads or dtypes, different models).
     """
     for layer, cache in enumerate(stack):
-        if _quantized_full(cache):
-            if not cache.decoding:
-                return f"layer {layer}: a quantized full cache joins a batch once decoding started"
-            continue  # batches with its own kind (``QuantizedFullBatch``)
-        if quantized_slots(cache):
-            refusal = cache.batch_refusal()
-            if refusal is not None:
-                return f"layer {layer}: {refusal}"
-            continue  # batches with its own kind (``QuantizedSlotsBatch``)
-        try:
-            _Row.of(cache, layer)
-        except BatchUnsupported as refusal:
-            return str(refusal)
+        refusal = row_kind(cache).refusal(cache)
+        if refusal is not None:
+            return f"layer {layer}: {refusal}"
     return None
 
 
-def _quantized_full(cache) -> bool:
-    """True for a full cache at ``kv_bits`` (``QuantizedFullKVCache``), which batches as ``QuantizedFullBatch``."""
-    return hasattr(cache, "tokens") and bool(getattr(cache, "kv_bits", None))
-
-
 def batch_layers(stacks: list[list]) -> list[BatchedLayer]:
-    """One ``BatchedLayer`` per layer for the prefilled cache stacks ``stacks`` (one per row, same model)."""
+    """One batched layer per layer for the prefilled cache stacks ``stacks`` (one per row, same model): the kind's
+    holder (``RowKind.holder``) where every row is of one kind, else a ``MixedBatch`` of one part per kind."""
     if not stacks:
         raise BatchUnsupported("a batch needs at least one row")
     depth = {len(stack) for stack in stacks}
@@ -724,18 +622,238 @@ def batch_layers(stacks: list[list]) -> list[BatchedLayer]:
     layers = []
     for layer in range(len(stacks[0])):
         caches = [stack[layer] for stack in stacks]
-        kinds = [_batch_kind(cache) for cache in caches]
-        if len(set(kinds)) == 1:
-            layers.append(kinds[0](caches, layer))
+        holders = [_holder(cache, layer) for cache in caches]
+        if len(set(holders)) == 1:
+            layers.append(holders[0](caches, layer))
         else:  # each kind in a part of its own, one model call for all
-            layers.append(MixedBatch.of(list(zip(kinds, caches)), layer))
+            layers.append(MixedBatch.of(list(zip(holders, caches)), layer))
     return layers
 
 
-def _batch_kind(cache) -> type:
-    """The batched layer class that holds ``cache``'s row: by what its tokens are held as."""
-    if _quantized_full(cache):
-        return QuantizedFullBatch
-    if quantized_slots(cache):
-        return QuantizedSlotsBatch
-    return BatchedLayer
+def _holder(cache, layer: int) -> type:
+    kind = row_kind(cache)
+    if kind.holder is None:
+        raise BatchUnsupported(f"layer {layer}: {kind.refusal(cache)}")
+    return kind.holder
+
+
+# ----- what a row costs a decoding batch ------------------------------------------------------------
+
+
+class RowFootprint(NamedTuple):
+    """What one prefilled stack costs a decoding batch (``row_footprint``), fixed when it joins."""
+
+    own_bytes: int  # its caches as they are now (it keeps them until it leaves the batch); alone: as they end
+    parts: tuple = ()  # ((layer, holder, part), slots per head by its last new token, bytes of one slot across heads)
+    batches: bool = True  # False: it decodes alone (``batch_refusal``), in no batch buffer: its own bytes only
+
+
+def row_footprint(stack: list, new_tokens: int) -> RowFootprint:
+    """``stack``'s footprint in a batch it joins now, with ``new_tokens`` still to take (see ``decode_footprint``).
+
+    Take it before the row joins: once it decodes in a batch, its own caches' counts
+    stay as they were when it joined (the batch counts for it). A row that decodes
+    alone costs what its own caches hold by its last token (``RowKind.alone_bytes``).
+    """
+    kinds = [row_kind(cache) for cache in stack]
+    if batch_refusal(stack) is not None:
+        return RowFootprint(sum(kind.alone_bytes(cache, new_tokens) for kind, cache in zip(kinds, stack)), batches=False)
+    parts = tuple(
+        ((layer, kind.holder, part), width, size)
+        for layer, (kind, cache) in enumerate(zip(kinds, stack))
+        for part, (width, size) in enumerate(kind.parts(cache, new_tokens))
+    )
+    return RowFootprint(sum(held_bytes(cache) for cache in stack), parts)
+
+
+def batch_footprint(rows: list[RowFootprint]) -> int:
+    """The most bytes these rows hold decoding together: their own caches, plus the batch's buffers at their
+    widest: each layer's part of each kind (``RowKind.parts``) holds its rows padded to the widest of them, at
+    that row's last token, whatever the other kinds' rows hold."""
+    widest: dict = {}  # (layer, holder, part) -> [rows, slots per head, bytes per slot]
+    for row in rows:
+        for key, width, size in row.parts:
+            held = widest.setdefault(key, [0, 0, 0])
+            held[0], held[1], held[2] = held[0] + 1, max(held[1], width), max(held[2], size)
+    return sum(row.own_bytes for row in rows) + sum(count * width * size for count, width, size in widest.values())
+
+
+def decode_footprint(stacks: list[list], new_tokens: list[int]) -> int:
+    """The most bytes ``stacks`` hold decoding together as one batch until each has taken ``new_tokens[i]`` more.
+
+    Each row's own caches as they are now (they keep their arrays until the row
+    leaves the batch), plus the batch's buffers: per layer and per kind of row
+    (``KINDS``: a float row, full or evicting, in ``BatchedLayer``; a quantized full
+    row in ``QuantizedFullBatch``; a quantized evicting row in ``QuantizedSlotsBatch``),
+    every row of that kind padded to its widest row's final width (a full row grows by
+    its new tokens plus a growth step, an evicting row stops at its budget). A row that
+    cannot batch (``batch_refusal``) decodes alone: what its own caches hold by its last
+    token. Prefilled stacks that have not decoded in a batch yet (no array is evaluated);
+    an upper bound on what ``decode_rows`` holds for them.
+    """
+    if len(stacks) != len(new_tokens):
+        raise ValueError(f"new_tokens: {len(new_tokens)} counts for {len(stacks)} stacks")
+    return batch_footprint([row_footprint(stack, new) for stack, new in zip(stacks, new_tokens)])
+
+
+def held_bytes(cache) -> int:
+    """Bytes of every array one layer's cache holds: its ``state``'s arrays, each once (or its ``nbytes``, where
+    that counts more: a buffer whose ``state`` is a view)."""
+    arrays = {id(array): array for array in state_arrays(cache)} if hasattr(cache, "state") else {}
+    return max(getattr(cache, "nbytes", 0) or 0, sum(array.nbytes for array in arrays.values()))
+
+
+# ----- the kinds of rows, declared once ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowKind:
+    """One kind of layer cache, as decoding rows in a batch needs to know it (``KINDS``, ``row_kind``).
+
+    ``holds(cache)``: whether a layer's cache is of this kind. ``holder``: the batched layer class its rows
+    decode in (None: it never joins a batch). ``refusal(cache)``: why this cache cannot join a batch now
+    (None: it can). ``parts(cache, new)``: ``[(slots per head, bytes of one slot across heads)]``, one per buffer
+    the holder pads to its widest row, as this row needs them by its ``new``-th new token. ``alone_bytes(cache,
+    new)``: the most bytes its own buffers hold decoding ``new`` tokens alone. ``evicting``: it ranks and evicts.
+    """
+
+    name: str
+    holds: Callable
+    holder: Optional[type]
+    refusal: Callable
+    parts: Callable
+    alone_bytes: Callable
+    evicting: bool = False
+
+
+def row_kind(cache) -> RowKind:
+    """The kind of ``cache`` (the first of ``KINDS`` that holds it)."""
+    return next(kind for kind in KINDS if kind.holds(cache))
+
+
+def _is_quantized_full(cache) -> bool:
+    """A full cache at ``kv_bits`` (``QuantizedFullKVCache``)."""
+    return hasattr(cache, "tokens") and bool(getattr(cache, "kv_bits", None))
+
+
+def _evicting(cache) -> bool:
+    return isinstance(cache, EvictingKVCache)
+
+
+def _slots_refusal(cache) -> Optional[str]:
+    refusal = cache.batch_refusal()
+    if refusal is None and not issubclass(cache.slots.signal, Signal):
+        return f"signal {cache.slots.signal.__name__} has no batched form"
+    return refusal
+
+
+def _float_parts(cache, new: int) -> list[tuple[int, int]]:
+    """``BatchedLayer``'s one part: the slots per head the row may need and one slot's key, value, score,
+    position and flat index across heads. A row grows the batch by ``RowCounts.room`` when it appends into a
+    full buffer: a full row to ``held + new + GROWTH_STEP`` at most, an evicting row to its budget."""
+    if _evicting(cache):
+        slots = cache.slots
+        keys, values = slots.keys, slots.values
+        if keys is None:
+            return []
+        pooled = slots.heads_pooled
+        heads = slots.n_heads if pooled else keys.shape[1]
+        held = max(slots.head_counts(), default=0) if pooled else slots.stored
+        per_step = heads if pooled else 1
+        room = max(0, (cache.layer_budget * per_step - slots.stored) // per_step)  # appends left before its budget
+    else:
+        keys, values = cache.keys, cache.values
+        if keys is None:
+            return []
+        heads, held, room = keys.shape[1], cache.offset, new + GROWTH_STEP  # keeps every token
+    width = held + min(room, new + GROWTH_STEP) if new > 0 and room > 0 else held
+    per_head = keys.shape[-1] * keys.dtype.size + values.shape[-1] * values.dtype.size + 3 * 4  # + score, position, flat
+    return [(width, heads * per_head)]
+
+
+def _quantized_full_parts(cache, new: int) -> list[tuple[int, int]]:
+    """``QuantizedFullBatch``'s parts: the codes (a token's codes, group number and value scales), the key
+    groups' scales, and the float window, which starts ``QUANTIZED_WINDOW_STEP`` wider than the widest row's and
+    grows by as much when full."""
+    tokens = cache.tokens
+    per_group = sum(slot_bytes(a) for a in (tokens.key_scales, tokens.key_zeros) if a is not None)
+    return [(tokens.quantized, tokens.code_bytes_per_token()), (tokens.groups, per_group),
+            (tokens.tail + new + QUANTIZED_WINDOW_STEP, tokens.float_bytes_per_token())]
+
+
+def _quantized_slots_parts(cache, new: int) -> list[tuple[int, int]]:
+    """``QuantizedSlotsBatch``'s parts: the quantized region (at most the budget plus a group), the key groups'
+    scales (one more group each ``group`` tokens, ``GROUP_STEP`` spare) and the float window; the scores,
+    positions and liveness cover the region and the window."""
+    slots = cache.slots
+    meta = sum(slot_bytes(a) for a in (slots.scores, slots.positions, slots.live))
+    per_code = sum(slot_bytes(getattr(slots, name)) for name in SLOT_PARTS) + meta
+    per_group = slot_bytes(slots.key_scales) + slot_bytes(slots.key_zeros)
+    per_float = slot_bytes(slots.keys) + slot_bytes(slots.values) + meta
+    region = max(slots.quantized_count, cache.layer_budget + slots.group)
+    groups = slots.groups + (slots.tail + new) // slots.group + GROUP_STEP
+    return [(region, per_code), (groups, per_group), (max(slots.keys.shape[2], slots.group), per_float)]
+
+
+def _full_alone(cache, new: int) -> int:
+    """A full float cache alone grows as mlx-lm's ``KVCache``: by ``FULL_STEP`` slots whenever it is full."""
+    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
+    if keys is None or cache.offset + new <= keys.shape[2]:
+        return held_bytes(cache)
+    return held_bytes(cache) + (cache.offset + new + FULL_STEP - keys.shape[2]) * (slot_bytes(keys) + slot_bytes(values))
+
+
+def _slots_alone(cache, new: int) -> int:
+    """An evicting cache alone grows its slots up to its budget (``decode_capacity``), never past it."""
+    slots = cache.slots
+    capacity = slots.capacity
+    if slots.keys is None or not capacity:
+        return held_bytes(cache)
+    budget = cache.layer_budget * (slots.n_heads if slots.heads_pooled else 1)
+    per_slot = -(-sum(array.nbytes for array in slots.arrays) // capacity)
+    return held_bytes(cache) + max(0, budget - capacity) * per_slot
+
+
+def _quantized_full_alone(cache, new: int) -> int:
+    """A quantized full cache alone: its float window grows to whole ``QUANTIZED_WINDOW_STEP`` s of what it holds
+    by its last token. (A cache not yet decoding quantizes its prompt at its first token: codes take fewer bytes
+    than the float window they replace.)"""
+    tokens = cache.tokens
+    if tokens.empty:
+        return held_bytes(cache)
+    room = tokens.tail_keys.shape[2]
+    needed = -(-(tokens.tail + new) // QUANTIZED_WINDOW_STEP) * QUANTIZED_WINDOW_STEP
+    return held_bytes(cache) + max(0, needed - room) * tokens.float_bytes_per_token()
+
+
+def _quantized_slots_alone(cache, new: int) -> int:
+    """A quantized evicting cache alone: at most what a batch of its kind holds for it, or what it holds now."""
+    return held_bytes(cache) + sum(width * size for width, size in _quantized_slots_parts(cache, new))
+
+
+def _other_alone(cache, new: int) -> int:
+    """A cache no batch holds (sliding window, state space, mlx-lm's quantized cache): what it holds now, grown
+    to its window (``max_size``) where it has one."""
+    keys, values, window = getattr(cache, "keys", None), getattr(cache, "values", None), getattr(cache, "max_size", None)
+    if not isinstance(keys, mx.array) or not isinstance(values, mx.array) or window is None or window <= keys.shape[2]:
+        return held_bytes(cache)
+    return held_bytes(cache) + (window - keys.shape[2]) * (slot_bytes(keys) + slot_bytes(values))
+
+
+def _no_batch(cache) -> str:
+    return (f"a {type(cache).__name__} cannot decode in a batch (only Velox's evicting and full caches and "
+            "mlx-lm's KVCache can, after prefill)")
+
+
+KINDS = (
+    RowKind("quantized evicting", quantized_slots, QuantizedSlotsBatch, lambda cache: cache.batch_refusal(),
+            _quantized_slots_parts, _quantized_slots_alone, evicting=True),
+    RowKind("float evicting", _evicting, BatchedLayer, _slots_refusal, _float_parts, _slots_alone,
+            evicting=True),
+    RowKind("quantized full", _is_quantized_full, QuantizedFullBatch,
+            lambda cache: None if cache.decoding else "a quantized full cache joins a batch once decoding started",
+            _quantized_full_parts, _quantized_full_alone),
+    RowKind("float full", lambda cache: isinstance(cache, KVCache) and not getattr(cache, "kv_bits", None),
+            BatchedLayer, lambda cache: _no_batch(cache) if cache.keys is None else None, _float_parts, _full_alone),
+    RowKind("no batch", lambda cache: True, None, _no_batch, lambda cache, new: [], _other_alone),
+)

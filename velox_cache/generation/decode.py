@@ -114,9 +114,9 @@ def decode_rows(
     """
     rows = list(rows)
     live = [row for row in rows if not row.done]
-    if batch and (len(live) > 1 or refill is not None):
-        rows += _decode_together(model, live, True if pipelined is None else pipelined, refill)
     alone_pipelined = (mx.default_device() == mx.gpu or has_quantized_layers(model)) if pipelined is None else pipelined
+    if batch and (len(live) > 1 or refill is not None):
+        rows += _decode_together(model, live, True if pipelined is None else pipelined, refill, alone_pipelined)
     for row in rows:
         if not row.done:
             decode_alone(model, row, pipelined=alone_pipelined)
@@ -209,13 +209,14 @@ def _take_together(rows: list[DecodeRow], chosen: mx.array, values: mx.array) ->
         row.take(token, value)
 
 
-def _decode_together(model, rows: list[DecodeRow], pipelined: bool, refill=None) -> list[DecodeRow]:
+def _decode_together(model, rows: list[DecodeRow], pipelined: bool, refill=None,
+                     alone_pipelined: bool = False) -> list[DecodeRow]:
     """Decode ``rows`` and what ``refill`` gives in one batch; returns the rows ``refill`` gave.
 
-    Rows that cannot batch (``batch_refusal``: a cache kind that does
-    not batch) are left with their pending token for decoding alone while the
-    others batch; rows that cannot batch together, and every row when the batch
-    cannot go on, decode alone too.
+    Rows that cannot batch (``batch_refusal``: a cache kind that does not batch),
+    and rows that cannot batch with the others, decode alone at once, before the
+    batch goes on: a row holds its caches (and its share of a refill's memory budget)
+    until it is done. Every row left when the batch cannot go on decodes alone too.
     """
     joined: list[DecodeRow] = []
     layers: Optional[list] = None
@@ -227,7 +228,9 @@ def _decode_together(model, rows: list[DecodeRow], pipelined: bool, refill=None)
         more = list(refill(list(in_batch))) if refill is not None else []
         joined += more
         waiting += _first_tokens(more)
-        waiting = [row for row in waiting if batch_refusal(row.caches) is None]  # the others decode alone
+        refused = [batch_refusal(row.caches) is not None for row in waiting]
+        alone = [row for row, no in zip(waiting, refused) if no]
+        waiting = [row for row, no in zip(waiting, refused) if not no]
         if waiting:
             try:  # nothing of the rows' own caches is touched before a step has run with them
                 batched = batch_layers([row.caches for row in waiting])
@@ -237,8 +240,10 @@ def _decode_together(model, rows: list[DecodeRow], pipelined: bool, refill=None)
                     join_layers(layers, batched)
                 in_batch += waiting
             except BatchUnsupported:
-                pass  # these rows decode alone from their pending token
+                alone += waiting
             waiting = []
+        for row in alone:  # from its pending token
+            decode_alone(model, row, pipelined=alone_pipelined)
         if not in_batch:
             if more:
                 continue  # what refill gave stopped at once or cannot batch: ask again

@@ -54,9 +54,10 @@ class QuantizedFullBatch(DecodingBatch):
         self.bits, self.value_group = views[0].bits, views[0].value_group
         self.caches = list(caches)
         self.quantized = np.array([v.quantized for v in views], np.int64)
+        self.groups = np.array([v.key_scales.shape[2] for v in views], np.int64)
         self.tails = np.array([v.keys.shape[2] for v in views], np.int64)
         self._offset = mx.array([cache.offset for cache in caches], mx.int32)
-        width, groups = int(self.quantized.max()), max(v.key_scales.shape[2] for v in views)
+        width, groups = int(self.quantized.max()), int(self.groups.max())
         for name in _CODE_PARTS:
             setattr(self, name, mx.concatenate([padded(getattr(v, name), width) for v in views]))
         for name in _GROUP_PARTS:
@@ -150,16 +151,21 @@ class QuantizedFullBatch(DecodingBatch):
                                                     padded(getattr(other, name), axis_width)]))
         self.caches += other.caches
         self.quantized = np.concatenate([self.quantized, other.quantized])
+        self.groups = np.concatenate([self.groups, other.groups])
         self.tails = np.concatenate([self.tails, other.tails])
         self._offset = mx.concatenate([self._offset, other._offset])
 
     def filter(self, indices: list[int]) -> None:
-        """Only rows ``indices`` stay (finished rows leave; ``extract`` them first)."""
+        """Only rows ``indices`` stay (finished rows leave; ``extract`` them first), each buffer no wider than they
+        need: the codes and groups to the widest row's, the window to a ``STEP`` past the longest."""
         take = mx.array(indices, mx.int32)
-        for name in (*_CODE_PARTS, *_GROUP_PARTS, "keys", "values"):
-            setattr(self, name, getattr(self, name)[take])
         self.caches = [self.caches[i] for i in indices]
-        self.quantized, self.tails = self.quantized[indices], self.tails[indices]
+        self.quantized, self.groups, self.tails = self.quantized[indices], self.groups[indices], self.tails[indices]
+        window = min(self.keys.shape[2], int(self.tails.max()) + STEP)
+        widths = {**dict.fromkeys(_CODE_PARTS, int(self.quantized.max())),
+                  **dict.fromkeys(_GROUP_PARTS, int(self.groups.max())), "keys": window, "values": window}
+        for name, width in widths.items():
+            setattr(self, name, getattr(self, name)[take, :, :width])
         self._offset = self._offset[take]
 
     def checkpoint(self) -> tuple:

@@ -322,7 +322,9 @@ class QuantizedSlotsBatch(DecodingBatch):
         self._settings()
 
     def filter(self, indices: list[int]) -> None:
-        """Only rows ``indices`` stay (finished rows leave; ``extract`` them first)."""
+        """Only rows ``indices`` stay (finished rows leave; ``extract`` them first), each buffer no wider than they
+        need: the region to their bound, the window to the widest row's, the key scales to ``GROUP_STEP`` past the
+        most groups any of them may hold."""
         take = mx.array(indices, mx.int32)
         for name in (*SLOT_PARTS, "key_scales", "key_zeros", "keys", "values", *_META, *_DEVICE):
             setattr(self, name, getattr(self, name)[take])
@@ -330,7 +332,9 @@ class QuantizedSlotsBatch(DecodingBatch):
             setattr(self, name, getattr(self, name)[indices])
         self._offset = self._offset[take]
         self.caches = [self.caches[i] for i in indices]
-        self._relayout(int(self.region_bound.max()), self.keys.shape[2])
+        groups = min(self.key_scales.shape[2], int(self.groups_bound.max()) + GROUP_STEP)
+        self.key_scales, self.key_zeros = self.key_scales[:, :, :groups], self.key_zeros[:, :, :groups]
+        self._relayout(int(self.region_bound.max()), int(max(self.window.max(), self.tail.max())))
         self._settings()
 
     def checkpoint(self) -> tuple:
