@@ -160,9 +160,15 @@ def doc_key(document_id: str, basis: str, settings_hash: str, variant: Variant) 
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
+def full_first(variants) -> list[Variant]:
+    """``variants``, the full-cache ones first (compressed variants are compared with their output), each kind
+    in its own order: the one rule for which variant runs first, in a plan and in a group's execution."""
+    return sorted(variants, key=lambda v: v.cache.method != "full")
+
+
 def ordered_variants(spec: JobSpec) -> list[Variant]:
-    """The job's variants, the full cache first (compressed variants are compared with it)."""
-    return sorted(spec.variants, key=lambda v: v.cache.method != "full")
+    """The job's variants, the full cache first (``full_first``)."""
+    return full_first(spec.variants)
 
 
 def prepare_document(

@@ -27,13 +27,16 @@ from typing import Callable, Iterable, Iterator, Optional
 from velox_cache.generation.batching import RowFootprint, batch_footprint, row_footprint
 from velox_cache.generation.decode import DecodeRow, decode_rows
 
+from .plan import full_first
+
 
 def variant_order(items: Iterable) -> list[str]:
     """The names of the variants due on ``items``, full-cache variants first, then in the items' order."""
-    items = list(items)
-    names = list(dict.fromkeys(variant.name for item in items for variant in item.variants))
-    full = {variant.name for item in items for variant in item.variants if variant.cache.method == "full"}
-    return sorted(names, key=lambda name: name not in full)  # stable: each kind keeps its order
+    due = {}
+    for item in items:
+        for variant in item.variants:
+            due.setdefault(variant.name, variant)
+    return [variant.name for variant in full_first(due.values())]
 
 
 def footprint_of(row: DecodeRow) -> RowFootprint:
