@@ -9,15 +9,6 @@
 
 namespace velox {
 
-const Loops& best_loops() {
-#if defined(VELOX_HAS_X86_LOOPS)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) return avx512::loops;
-  if (__builtin_cpu_supports("avx2")) return avx2::loops;
-#endif
-  return baseline::loops;
-}
-
 namespace {
 
 // The set VELOX_NATIVE_ISA asks for where this CPU runs it, else the fastest it runs (FMA with the x86 sets).
@@ -43,6 +34,15 @@ const Set& pick(const Set& avx512_set, const Set& avx2_set, const Set& baseline_
 }
 
 }  // namespace
+
+// Every op's set is chosen by `pick`, so VELOX_NATIVE_ISA selects the loops of all of them.
+const Loops& best_loops() {
+#if defined(VELOX_HAS_X86_LOOPS)
+  return pick(avx512::loops, avx2::loops, baseline::loops);
+#else
+  return baseline::loops;
+#endif
+}
 
 const AttentionLoops& best_attention_loops() {
 #if defined(VELOX_HAS_X86_LOOPS)
