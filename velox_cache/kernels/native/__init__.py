@@ -18,7 +18,9 @@ vectorised per instruction set (AVX-512 / AVX2 / baseline, picked at load time):
 - ``window_flush`` (``window_flush.cpp``): a batch of evicting layers at
   ``kv_bits`` moving rows' whole window groups into their quantized regions
   (``velox_cache.generation.quantized_slots_batch``), one op where the pure-MLX
-  path takes ~100, with the same bits.
+  path takes ~100, with the same bits. It checks its arrays' shapes and dtypes, the rows (distinct rows
+  of the batch) and that each has room for the group before it enqueues anything: a bad call is a
+  ``ValueError`` in the caller, never an exception on MLX's stream thread (which ends the process).
 
 ``ops()`` returns the loaded module, or None where it is not built (macOS, no
 compiler), did not load, failed its check, or ``VELOX_NATIVE=0`` turns it off;

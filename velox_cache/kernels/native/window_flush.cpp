@@ -319,6 +319,70 @@ class FlushApply : public CpuPrimitive {
   }
 };
 
+// Everything the plan and the applies read is checked here, on the calling thread, before any work is enqueued:
+// an exception on MLX's stream thread ends the process (std::terminate), one here is a Python ValueError.
+std::string shape_text(const mx::Shape& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+// Each array's shape, from the keys' [B, H, W, D], the region's Q (array 1), the codes' DK (array 0) and the
+// key scales' G (array 5).
+void check_layout(const std::vector<mx::array>& parts, int bits, int value_group) {
+  const auto& keys = parts[7];
+  const int B = keys.shape(0), H = keys.shape(1), W = keys.shape(2), D = keys.shape(3);
+  if (parts[1].ndim() != 3 || parts[5].ndim() != 4)
+    throw std::invalid_argument("window_flush: key_groups (array 1) must be [B, H, Q], key_scales (array 5) [B, H, G, D]");
+  const int Q = parts[1].shape(2), G = parts[5].shape(2), DK = D * bits / 8, NV = D / value_group;
+  const mx::Shape expected[kParts] = {{B, H, Q, DK}, {B, H, Q},     {B, H, Q, DK},    {B, H, Q, NV},    {B, H, Q, NV},
+                                      {B, H, G, D},  {B, H, G, D},  {B, H, W, D},     {B, H, W, D},     {B, H, Q + W},
+                                      {B, H, Q + W}, {B, H, Q + W}, {B},              {B},              {B}};
+  for (int i = 0; i < kParts; ++i)
+    if (parts[i].shape() != expected[i])
+      throw std::invalid_argument("window_flush: array " + std::to_string(i) + " is " + shape_text(parts[i].shape()) +
+                                  ", expected " + shape_text(expected[i]) + " (keys [B, H, W, D] = " +
+                                  shape_text(keys.shape()) + ", Q = " + std::to_string(Q) + ", G = " +
+                                  std::to_string(G) + ", " + std::to_string(bits) + " bits)");
+  if (G < 1) throw std::invalid_argument("window_flush: key_scales (array 5) has no group slot");
+}
+
+// The rows: distinct indices of the batch, each with room in its region for the group (its used slots, less the
+// fewest holes a head has there, plus the group) and a key-scale slot for it: what the batch's sizing guarantees.
+// Reads the rows, the rows' counts (arrays 12 and 13, [B] each) and which slots are live (array 11).
+void check_rows(const std::vector<mx::array>& parts, mx::array rows, int group) {
+  if (rows.ndim() != 1) throw std::invalid_argument("window_flush: rows must be a 1-d array of row indices");
+  auto quantized = parts[12], groups = parts[13], live = mx::contiguous(parts[11], false);
+  mx::eval({rows, quantized, groups, live});
+  const int64_t B = parts[7].shape(0), H = parts[7].shape(1), Q = parts[1].shape(2), G = parts[5].shape(2);
+  const int64_t M = live.shape(2);
+  const auto* at = rows.data<int32_t>();
+  std::vector<char> seen(B, 0);
+  for (int64_t i = 0; i < rows.shape(0); ++i) {
+    const int64_t r = at[i];
+    if (r < 0 || r >= B)
+      throw std::invalid_argument("window_flush: row " + std::to_string(r) + " is not a row of the batch of " +
+                                  std::to_string(B));
+    if (seen[r]++) throw std::invalid_argument("window_flush: row " + std::to_string(r) + " is given twice");
+    const int64_t used = quantized.data<int32_t>()[r], number = groups.data<int32_t>()[r];
+    if (used < 0 || used > Q)
+      throw std::invalid_argument("window_flush: row " + std::to_string(r) + " uses " + std::to_string(used) +
+                                  " slots of a region of " + std::to_string(Q));
+    int64_t fewest = Q;  // as FlushPlan counts them: each head's holes among the used slots
+    for (int64_t h = 0; h < H; ++h) {
+      const bool* head_live = live.data<bool>() + (r * H + h) * M;
+      fewest = std::min<int64_t>(fewest, std::count(head_live, head_live + used, false));
+    }
+    if (used + std::max<int64_t>(0, group - fewest) > Q)
+      throw std::invalid_argument("window_flush: row " + std::to_string(r) + " uses " + std::to_string(used) +
+                                  " of its region's " + std::to_string(Q) + " slots (" + std::to_string(fewest) +
+                                  " holes in its fullest head): no room for a group of " + std::to_string(group));
+    if (number < 0 || number >= G)
+      throw std::invalid_argument("window_flush: row " + std::to_string(r) + " has " + std::to_string(number) +
+                                  " groups and " + std::to_string(G) + " key-scale slots: none left for the new one");
+  }
+}
+
 std::vector<mx::array> window_flush(const std::vector<mx::array>& parts, const mx::array& rows_in, int group, int bits,
                                     int value_group) {
   const auto s = mx::default_stream(mx::Device::cpu);
@@ -329,9 +393,12 @@ std::vector<mx::array> window_flush(const std::vector<mx::array>& parts, const m
   for (int i = 0; i < kParts; ++i)
     if (parts[i].dtype() != dtypes[i]) throw std::invalid_argument("window_flush: array " + std::to_string(i) + " has another dtype");
   const auto& keys = parts[7];
+  if (keys.ndim() != 4) throw std::invalid_argument("window_flush: keys (array 7) must be [B, H, W, D]");
   if (group < 1 || group > keys.shape(2) || (bits != 8 && bits != 4) || value_group < 1 || keys.shape(3) % value_group)
     throw std::invalid_argument("window_flush: group, bits or value_group out of range");
+  check_layout(parts, bits, value_group);
   const auto rows = mx::astype(rows_in, mx::int32, s);
+  check_rows(parts, rows, group);
   const int64_t k = rows.shape(0), H = keys.shape(1), D = keys.shape(3), DK = parts[0].shape(3);
   const int64_t NV = D / value_group, G = parts[5].shape(2), B = keys.shape(0);
   // The plan reads these in place: made row-contiguous here (a no-op for the batch's own buffers).
